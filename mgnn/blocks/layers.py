@@ -1,0 +1,221 @@
+"""Layer kinds: forward and vjp side by side, over the kernels of a backend.
+
+Every layer kind is a small stateless description (sizes, activation); arrays and the backend module
+``bk`` (see :mod:`mgnn.backend`) are passed to each call. Parameters are dicts ``{"weight", "bias"}``.
+
+Step kinds (the residual functions ``F`` of DESIGN.md section 1) act on a state ``u`` with a step
+size ``h``: ``u_next = u + h F(u; W, b)``. Opening kinds map the input batch to the state ``u_0``;
+closing kinds map ``u_N`` to the logits.
+"""
+import numpy as np
+
+from ..backend import activation_code
+
+
+class _StepKind:
+    """Shared code of the residual step kinds; subclasses name their kernels."""
+
+    _fwd = _fwd_deriv = _deriv = _vjp = _vjp_input = None  # backend kernel names
+
+    def __init__(self, activation):
+        self.activation = activation
+        self.act = activation_code(activation)
+
+    def forward(self, W, b, u, h, bk):
+        """u + h F(u; W, b), same shape and dtype as u; ``h`` a scalar of u's dtype."""
+        return getattr(bk, self._fwd)(u, W, b, h, self.act, True)
+
+    def forward_deriv(self, W, b, u, h, bk):
+        """(u_next, sigma'(z)) for a vjp that follows."""
+        return getattr(bk, self._fwd_deriv)(u, W, b, h, self.act, True)
+
+    def deriv(self, W, b, u, bk):
+        """sigma'(z) at state u (recomputed; used when the forward did not store it)."""
+        return getattr(bk, self._deriv)(u, W, b, self.act)
+
+    def vjp_state(self, W, b, u, h, lam, bk, deriv=None):
+        """lam + h J(u)^T lam: the state vjp of one step at u for the cotangent lam of u_next."""
+        if deriv is None:
+            deriv = self.deriv(W, b, u, bk)
+        return getattr(bk, self._vjp_input)(lam, deriv, W, h, True)
+
+    def vjp(self, W, b, u, h, lam, bk, deriv=None):
+        """(state vjp, gW, gb) of one step at u for the cotangent lam of u_next."""
+        if deriv is None:
+            deriv = self.deriv(W, b, u, bk)
+        return getattr(bk, self._vjp)(lam, deriv, u, W, h, True)
+
+    def sweep_forward(self, W, b, U, h, D, bk):
+        """U[n+1] = U[n] + h F(U[n]; W[n], b[n]) for n = 0..len(W)-1, in place.
+
+        U (N+1, B, ...) with U[0] set; D (N, B, ...) receives sigma'(z_n) or has length 0.
+        """
+        for n in range(W.shape[0]):
+            if D.shape[0]:
+                U[n + 1], D[n] = self.forward_deriv(W[n], b[n], U[n], h, bk)
+            else:
+                U[n + 1] = self.forward(W[n], b[n], U[n], h, bk)
+
+    def sweep_backward(self, W, b, U, D, h, lam, gW, gb, bk):
+        """Adjoint of :meth:`sweep_forward`: lam_0 from lam = lam_N; fills gW (N, ...), gb (N, ...)."""
+        for n in range(W.shape[0] - 1, -1, -1):
+            lam, gW[n], gb[n] = self.vjp(W[n], b[n], U[n], h, lam, bk, deriv=D[n])
+        return lam
+
+
+class DenseStep(_StepKind):
+    """F(u) = sigma(u W^T + b); u (B, w), W (w, w), b (w,)."""
+
+    _fwd, _fwd_deriv, _deriv = "dense_forward", "dense_forward_deriv", "dense_deriv"
+    _vjp, _vjp_input = "dense_vjp", "dense_vjp_input"
+
+    def __init__(self, width, activation="tanh"):
+        super().__init__(activation)
+        self.width = int(width)
+
+    def param_shapes(self):
+        """Shapes of one layer's parameters: {'weight': (w, w), 'bias': (w,)}."""
+        return {"weight": (self.width, self.width), "bias": (self.width,)}
+
+    def state_shape(self, batch):
+        """Shape of the state for ``batch`` samples: (B, w)."""
+        return (batch, self.width)
+
+    def sweep_forward(self, W, b, U, h, D, bk):
+        bk.dense_sweep_forward(U, W, b, h, self.act, D)
+
+    def sweep_backward(self, W, b, U, D, h, lam, gW, gb, bk):
+        return bk.dense_sweep_backward(U, D, W, h, lam, gW, gb)
+
+
+class ConvStep(_StepKind):
+    """F(u) = sigma(conv3x3(u, K) + b); u (B, C, H, W), K (C, C, 3, 3), b (C,)."""
+
+    _fwd, _fwd_deriv, _deriv = "conv_forward", "conv_forward_deriv", "conv_deriv"
+    _vjp, _vjp_input = "conv_vjp", "conv_vjp_input"
+
+    def __init__(self, channels, image_size, activation="tanh"):
+        super().__init__(activation)
+        self.channels = int(channels)
+        self.image_size = tuple(int(s) for s in image_size)
+
+    def param_shapes(self):
+        """{'weight': (C, C, 3, 3), 'bias': (C,)}."""
+        c = self.channels
+        return {"weight": (c, c, 3, 3), "bias": (c,)}
+
+    def state_shape(self, batch):
+        """(B, C, H, W)."""
+        return (batch, self.channels) + self.image_size
+
+
+class DenseOpening:
+    """u_0 = sigma(x A^T + a); x (B, i) -> (B, w); A (w, i), a (w,)."""
+
+    def __init__(self, in_features, width, activation="tanh"):
+        self.in_features, self.width = int(in_features), int(width)
+        self.activation, self.act = activation, activation_code(activation)
+
+    def param_shapes(self):
+        """{'weight': (w, i), 'bias': (w,)}."""
+        return {"weight": (self.width, self.in_features), "bias": (self.width,)}
+
+    def input_shape(self):
+        """Shape of one sample: (i,)."""
+        return (self.in_features,)
+
+    def forward(self, params, x, bk):
+        """(u_0 (B, w), sigma'(z) for :meth:`vjp`)."""
+        one = x.dtype.type(1)
+        return bk.dense_forward_deriv(x, params["weight"], params["bias"], one, self.act, False)
+
+    def vjp(self, params, x, deriv, g, bk):
+        """(gx (B, i), {'weight', 'bias'}) for the cotangent g of u_0."""
+        one = x.dtype.type(1)
+        gx, gW, gb = bk.dense_vjp(g, deriv, x, params["weight"], one, False)
+        return gx, {"weight": gW, "bias": gb}
+
+
+class ConvOpening:
+    """u_0 = sigma(conv3x3(x, K) + a); x (B, ci, H, W) -> (B, C, H, W); K (C, ci, 3, 3)."""
+
+    def __init__(self, in_channels, channels, image_size, activation="tanh"):
+        self.in_channels, self.channels = int(in_channels), int(channels)
+        self.image_size = tuple(int(s) for s in image_size)
+        self.activation, self.act = activation, activation_code(activation)
+
+    def param_shapes(self):
+        """{'weight': (C, ci, 3, 3), 'bias': (C,)}."""
+        return {"weight": (self.channels, self.in_channels, 3, 3), "bias": (self.channels,)}
+
+    def input_shape(self):
+        """(ci, H, W)."""
+        return (self.in_channels,) + self.image_size
+
+    def forward(self, params, x, bk):
+        """(u_0 (B, C, H, W), sigma'(z))."""
+        one = x.dtype.type(1)
+        return bk.conv_forward_deriv(x, params["weight"], params["bias"], one, self.act, False)
+
+    def vjp(self, params, x, deriv, g, bk):
+        """(gx (B, ci, H, W), {'weight', 'bias'})."""
+        one = x.dtype.type(1)
+        gx, gK, gb = bk.conv_vjp(g, deriv, x, params["weight"], one, False)
+        return gx, {"weight": gK, "bias": gb}
+
+
+class DenseClosing:
+    """logits = u C^T + c; u (B, w) -> (B, K); C (K, w), c (K,)."""
+
+    def __init__(self, width, n_classes):
+        self.width, self.n_classes = int(width), int(n_classes)
+
+    def param_shapes(self):
+        """{'weight': (K, w), 'bias': (K,)}."""
+        return {"weight": (self.n_classes, self.width), "bias": (self.n_classes,)}
+
+    def _features(self, u, bk):
+        return u
+
+    def _features_vjp(self, u, g, bk):
+        return g
+
+    def forward(self, params, u, bk):
+        """(logits (B, K), cache for :meth:`vjp`)."""
+        f = self._features(u, bk)
+        one = u.dtype.type(1)
+        logits, deriv = bk.dense_forward_deriv(f, params["weight"], params["bias"], one, 2, False)
+        return logits, (f, deriv)
+
+    def vjp(self, params, u, cache, g, bk):
+        """(gu shaped like u, {'weight', 'bias'}) for the cotangent g (B, K) of the logits."""
+        f, deriv = cache
+        one = u.dtype.type(1)
+        gf, gC, gc = bk.dense_vjp(g, deriv, f, params["weight"], one, False)
+        return self._features_vjp(u, gf, bk), {"weight": gC, "bias": gc}
+
+
+class PoolClosing(DenseClosing):
+    """logits = avgpool_p(u).reshape(B, C p^2) C^T + c; u (B, C, H, W); p = 1 is global pooling."""
+
+    def __init__(self, channels, image_size, n_classes, pool=1):
+        self.channels, self.pool = int(channels), int(pool)
+        self.image_size = tuple(int(s) for s in image_size)
+        super().__init__(self.channels * self.pool ** 2, n_classes)
+
+    def _features(self, u, bk):
+        return bk.avgpool_forward(u, self.pool).reshape(u.shape[0], -1)
+
+    def _features_vjp(self, u, g, bk):
+        p = self.pool
+        g4 = np.ascontiguousarray(g).reshape(u.shape[0], self.channels, p, p)
+        return bk.avgpool_vjp(g4, u.shape[2], u.shape[3])
+
+
+class SoftmaxCrossEntropy:
+    """Mean softmax cross-entropy over the batch (numerically stable)."""
+
+    def forward_grad(self, logits, y, bk):
+        """(loss: Python float, dlogits (B, K)) for integer labels y (B,)."""
+        loss, g = bk.softmax_xent(logits, y)
+        return float(loss), g

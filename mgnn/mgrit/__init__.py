@@ -1,0 +1,1 @@
+"""MGRIT across layers: options, hierarchy, relaxation, cycles, solver (to come)."""

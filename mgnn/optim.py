@@ -1,0 +1,112 @@
+"""Optimizers over flat parameter buffers (PyTorch's update rules, so runs are comparable)."""
+import numbers
+
+import numpy as np
+
+
+def _nonneg(name, v):
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not np.isfinite(v) or v < 0:
+        raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+    return float(v)
+
+
+class Optimizer:
+    """Base class: updates ``params`` (1-D float array, in place) from a gradient of equal shape."""
+
+    def __init__(self, params, lr):
+        if not isinstance(params, np.ndarray) or params.ndim != 1:
+            raise TypeError("params must be a 1-D numpy array (e.g. model.params.flat)")
+        self.params = params
+        self.lr = _nonneg("lr", lr)
+        self.t = 0
+
+    def _check(self, grad):
+        if not isinstance(grad, np.ndarray) or grad.shape != self.params.shape:
+            raise ValueError(f"gradient of shape {getattr(grad, 'shape', None)} does not match "
+                             f"the parameters {self.params.shape}")
+        if grad.dtype != self.params.dtype:
+            raise TypeError(f"gradient dtype {grad.dtype} != parameter dtype {self.params.dtype}")
+
+    def state_dict(self):
+        """Arrays and scalars that restore the optimizer exactly (for checkpoints)."""
+        return {"t": np.int64(self.t), **{k: v.copy() for k, v in self._buffers().items()}}
+
+    def load_state_dict(self, state):
+        """Restore from :meth:`state_dict` output."""
+        self.t = int(state["t"])
+        for k, v in self._buffers().items():
+            if k not in state or state[k].shape != v.shape:
+                raise ValueError(f"optimizer state {k!r} missing or of the wrong shape")
+            v[...] = state[k]
+
+    def _buffers(self):
+        return {}
+
+
+class SGD(Optimizer):
+    """SGD with momentum and weight decay: g += wd p; buf = mu buf + g; p -= lr buf."""
+
+    def __init__(self, params, lr=0.1, momentum=0.0, weight_decay=0.0):
+        super().__init__(params, lr)
+        self.momentum = _nonneg("momentum", momentum)
+        self.weight_decay = _nonneg("weight_decay", weight_decay)
+        self.buf = np.zeros_like(params)
+
+    def _buffers(self):
+        return {"momentum_buffer": self.buf}
+
+    def step(self, grad):
+        """One update from ``grad`` (same shape and dtype as the parameters)."""
+        self._check(grad)
+        dt = self.params.dtype.type
+        g = grad + dt(self.weight_decay) * self.params if self.weight_decay else grad
+        if self.momentum:
+            if self.t == 0:
+                self.buf[...] = g
+            else:
+                self.buf *= dt(self.momentum)
+                self.buf += g
+            g = self.buf
+        self.params -= dt(self.lr) * g
+        self.t += 1
+
+
+class Adam(Optimizer):
+    """Adam (Kingma & Ba) with bias correction and optional (L2) weight decay."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
+        super().__init__(params, lr)
+        self.b1, self.b2 = (_nonneg("beta", b) for b in betas)
+        if not (self.b1 < 1 and self.b2 < 1):
+            raise ValueError(f"betas must be in [0, 1), got {betas!r}")
+        self.eps = _nonneg("eps", eps)
+        self.weight_decay = _nonneg("weight_decay", weight_decay)
+        self.m = np.zeros_like(params)
+        self.v = np.zeros_like(params)
+
+    def _buffers(self):
+        return {"exp_avg": self.m, "exp_avg_sq": self.v}
+
+    def step(self, grad):
+        """One update from ``grad`` (same shape and dtype as the parameters)."""
+        self._check(grad)
+        dt = self.params.dtype.type
+        g = grad + dt(self.weight_decay) * self.params if self.weight_decay else grad
+        self.t += 1
+        self.m *= dt(self.b1)
+        self.m += dt(1 - self.b1) * g
+        self.v *= dt(self.b2)
+        self.v += dt(1 - self.b2) * g * g
+        c1 = 1 - self.b1 ** self.t
+        c2 = 1 - self.b2 ** self.t
+        denom = np.sqrt(self.v) / dt(np.sqrt(c2)) + dt(self.eps)
+        self.params -= dt(self.lr / c1) * self.m / denom
+
+
+def make_optimizer(name, params, lr, momentum=0.9, weight_decay=0.0):
+    """'sgd' (with ``momentum``) or 'adam' over the flat ``params``."""
+    if name == "sgd":
+        return SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    if name == "adam":
+        return Adam(params, lr=lr, weight_decay=weight_decay)
+    raise ValueError(f"unknown optimizer {name!r}; expected 'sgd' or 'adam'")

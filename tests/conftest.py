@@ -1,0 +1,30 @@
+import os
+
+import numpy as np
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SHARED = os.path.abspath(os.path.join(HERE, "..", "..", "shared"))
+MNIST_DIR = os.environ.get("MGNN_MNIST_DIR") or os.path.join(SHARED, "datasets", "mnist")
+
+RTOL = {"float32": 1e-5, "float64": 1e-12}
+
+
+def assert_close(actual, expected, dtype, what=""):
+    """Compare with the DESIGN.md tolerance for ``dtype``; atol scaled by the reference's size."""
+    expected = np.asarray(expected)
+    actual = np.asarray(actual)
+    assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
+    assert actual.dtype == np.dtype(dtype), (what, actual.dtype)
+    rtol = RTOL[np.dtype(dtype).name]
+    scale = float(np.abs(expected).max()) if expected.size else 1.0
+    np.testing.assert_allclose(actual, expected, rtol=rtol, atol=rtol * scale, err_msg=what)
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(12345)
+
+
+def mnist_available():
+    return os.path.exists(os.path.join(MNIST_DIR, "t10k-labels-idx1-ubyte.gz"))

@@ -1,0 +1,120 @@
+"""Models, parameter layout, LayerParallel's serial path and its input validation."""
+import numpy as np
+import pytest
+
+import mgnn
+from mgnn.backend import get_backend
+
+
+def test_param_names_shapes_and_flat_views():
+    m = mgnn.dense_resnet(in_features=64, width=16, n_classes=10, n_layers=8, seed=0)
+    assert list(m.params) == ["opening.weight", "opening.bias", "steps.weight", "steps.bias",
+                              "closing.weight", "closing.bias"]
+    assert m.params["steps.weight"].shape == (8, 16, 16)
+    assert m.params["opening.weight"].shape == (16, 64)
+    assert m.params["closing.weight"].shape == (10, 16)
+    total = sum(v.size for v in m.params.values())
+    assert m.params.flat.size == total
+    m.params["steps.bias"][3, 2] = 7.5
+    assert 7.5 in m.params.flat
+    c = mgnn.conv_resnet(in_channels=1, channels=8, image_size=(28, 28), n_classes=10,
+                         n_layers=4, pool=4)
+    assert c.params["steps.weight"].shape == (4, 8, 8, 3, 3)
+    assert c.params["opening.weight"].shape == (8, 1, 3, 3)
+    assert c.params["closing.weight"].shape == (10, 8 * 16)
+
+
+def test_initialisation_depends_on_the_seed_only():
+    a = mgnn.dense_resnet(5, 4, 3, 6, seed=11, dtype="float64")
+    b = mgnn.dense_resnet(5, 4, 3, 6, seed=11, dtype="float64")
+    c = mgnn.dense_resnet(5, 4, 3, 6, seed=12, dtype="float64")
+    f = mgnn.dense_resnet(5, 4, 3, 6, seed=11, dtype="float32")
+    np.testing.assert_array_equal(a.params.flat, b.params.flat)
+    assert not np.array_equal(a.params.flat, c.params.flat)
+    np.testing.assert_array_equal(f.params.flat, a.params.flat.astype(np.float32))
+    assert f.params.flat.dtype == np.float32
+
+
+@pytest.mark.parametrize("kind", ["dense", "conv"])
+def test_serial_loss_and_grad_equal_across_backends(kind, rng):
+    for dtype, rtol in (("float64", 1e-12), ("float32", 1e-5)):
+        if kind == "dense":
+            m = mgnn.dense_resnet(6, 5, 3, 9, dtype=dtype, seed=2)
+            x = rng.standard_normal((4, 6)).astype(dtype)
+        else:
+            m = mgnn.conv_resnet(2, 3, (5, 4), 3, 3, dtype=dtype, seed=2)
+            x = rng.standard_normal((4, 2, 5, 4)).astype(dtype)
+        y = rng.integers(0, 3, 4)
+        la, ga = mgnn.LayerParallel(m, backend="numpy").loss_and_grad(x, y)
+        lb, gb = mgnn.LayerParallel(m, backend="numba").loss_and_grad(x, y)
+        assert isinstance(la, float) and abs(la - lb) <= rtol * abs(la)
+        for k in ga:
+            assert gb[k].dtype == np.dtype(dtype)
+            scale = np.abs(ga[k]).max()
+            np.testing.assert_allclose(gb[k], ga[k], rtol=rtol, atol=rtol * scale, err_msg=k)
+
+
+def test_serial_forward_is_forward_euler(rng):
+    """u_N from LayerParallel equals stepping u_{n+1} = u_n + h tanh(u_n W_n^T + b_n) by hand."""
+    m = mgnn.dense_resnet(3, 3, 2, 5, t_final=2.0, seed=1)
+    x = rng.standard_normal((2, 3))
+    p = m.params
+    u = np.tanh(x @ p["opening.weight"].T + p["opening.bias"])
+    for n in range(5):
+        u = u + 0.4 * np.tanh(u @ p["steps.weight"][n].T + p["steps.bias"][n])
+    logits = u @ p["closing.weight"].T + p["closing.bias"]
+    for be in ("numpy", "numba"):
+        lp = mgnn.LayerParallel(m, backend=be)
+        np.testing.assert_allclose(lp.logits(x), logits, rtol=1e-12)
+        np.testing.assert_array_equal(lp.predict(x), logits.argmax(1))
+
+
+def test_bad_inputs_name_the_value(rng):
+    m = mgnn.dense_resnet(4, 4, 3, 2, dtype="float64")
+    lp = mgnn.LayerParallel(m, backend="numpy")
+    x = rng.standard_normal((2, 4))
+    y = np.array([0, 2])
+    with pytest.raises(TypeError, match="float32"):
+        lp.loss_and_grad(x.astype(np.float32), y)
+    with pytest.raises(ValueError, match=r"\(2, 5\)"):
+        lp.loss_and_grad(rng.standard_normal((2, 5)), y)
+    bad = x.copy()
+    bad[1, 1] = np.nan
+    with pytest.raises(ValueError, match="non-finite"):
+        lp.loss_and_grad(bad, y)
+    with pytest.raises(ValueError, match=r"\[3\]"):
+        lp.loss_and_grad(x, np.array([0, 3]))
+    with pytest.raises(ValueError, match=r"\[-1\]"):
+        lp.loss_and_grad(x, np.array([-1, 0]))
+    with pytest.raises(TypeError, match="integer"):
+        lp.loss_and_grad(x, np.array([0.0, 1.0]))
+    with pytest.raises(ValueError, match=r"\(3,\)"):
+        lp.loss_and_grad(x, np.array([0, 1, 2]))
+    with pytest.raises(TypeError, match="list"):
+        lp.loss_and_grad(x.tolist(), y)
+
+
+def test_bad_model_arguments_name_the_value():
+    with pytest.raises(ValueError, match="n_layers"):
+        mgnn.dense_resnet(4, 4, 3, 0)
+    with pytest.raises(TypeError, match="width"):
+        mgnn.dense_resnet(4, 4.5, 3, 2)
+    with pytest.raises(ValueError, match="float16"):
+        mgnn.dense_resnet(4, 4, 3, 2, dtype="float16")
+    with pytest.raises(ValueError, match="'sigmoid'"):
+        mgnn.dense_resnet(4, 4, 3, 2, activation="sigmoid")
+    with pytest.raises(ValueError, match="t_final"):
+        mgnn.dense_resnet(4, 4, 3, 2, t_final=-1.0)
+    with pytest.raises(ValueError, match="pool=3"):
+        mgnn.conv_resnet(1, 2, (28, 28), 10, 2, pool=3)
+    with pytest.raises(ValueError, match="'gpu'"):
+        mgnn.LayerParallel(mgnn.dense_resnet(4, 4, 3, 2), backend="gpu")
+    with pytest.raises(TypeError, match="Model"):
+        mgnn.LayerParallel("not a model")
+
+
+def test_activation_code_rejects_unknown():
+    from mgnn.backend import activation_code
+    with pytest.raises(ValueError, match="'gelu'"):
+        activation_code("gelu")
+    assert get_backend("numpy").name == "numpy"

@@ -1,0 +1,37 @@
+"""The package and its top-level kernels/ folder install from a wheel and in editable mode."""
+import os
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+import mgnn.backend
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_kernel_dir_in_this_install():
+    assert os.path.isfile(os.path.join(mgnn.backend.kernel_dir(), "README.md"))
+
+
+@pytest.mark.slow
+def test_wheel_ships_kernels(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                        "--no-build-isolation", "-w", str(tmp_path / "dist"), REPO],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (wheel,) = (tmp_path / "dist").glob("mgnn-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "mgnn/kernels/README.md" in names and "mgnn/backend/numba_cpu.py" in names
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
+                        str(tmp_path / "site"), str(wheel)], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    code = "import mgnn, mgnn.backend as b; print(mgnn.__file__); print(b.kernel_dir())"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(tmp_path / "site")))
+    assert r.returncode == 0, r.stderr[-2000:]
+    mod, kdir = r.stdout.split()
+    assert mod.startswith(str(tmp_path / "site"))
+    assert kdir == str(tmp_path / "site" / "mgnn" / "kernels")

@@ -1,0 +1,106 @@
+"""Training loop, checkpoints (atomic, exact resume) and the command line."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import mgnn
+from mgnn.__main__ import main
+from mgnn.errors import CheckpointError
+from mgnn.train import load_checkpoint, restore, save_checkpoint
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _cli(*args):
+    return ["train", "--data", "synthetic", "--layers", "4", "--width", "8", "--batch-size", "64",
+            "--dtype", "float64", "--no-progress", "--seed", "7", *args]
+
+
+def test_resume_equals_uninterrupted_run(tmp_path):
+    full, part = tmp_path / "full.npz", tmp_path / "part.npz"
+    assert main(_cli("--epochs", "2", "--checkpoint", str(full))) == 0
+    assert main(_cli("--epochs", "1", "--checkpoint", str(part))) == 0
+    assert load_checkpoint(part)["header"]["epoch"] == 1
+    resumed = tmp_path / "resumed.npz"
+    assert main(_cli("--epochs", "2", "--resume", str(part), "--checkpoint", str(resumed))) == 0
+    a, b = load_checkpoint(full), load_checkpoint(resumed)
+    assert a["header"]["epoch"] == b["header"]["epoch"] == 2
+    assert a["header"]["step"] == b["header"]["step"] > 0
+    for k in a["params"]:
+        np.testing.assert_array_equal(a["params"][k], b["params"][k], err_msg=k)
+    for k in a["optim"]:
+        np.testing.assert_array_equal(a["optim"][k], b["optim"][k], err_msg=k)
+    assert a["header"]["rng_state"] == b["header"]["rng_state"]
+    # an interrupted-and-resumed run really differs from a fresh 1-epoch run
+    assert not np.array_equal(load_checkpoint(part)["params"]["steps.weight"],
+                              a["params"]["steps.weight"])
+
+
+def test_checkpoint_is_atomic_and_checked(tmp_path, monkeypatch):
+    m = mgnn.dense_resnet(4, 4, 3, 2, seed=0)
+    opt = mgnn.Adam(m.params.flat, lr=0.1)
+    rng = np.random.default_rng(0)
+    path = tmp_path / "c.npz"
+    save_checkpoint(path, m, opt, 1, 5, rng)
+    before = path.read_bytes()
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(np, "savez", boom)
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(path, m, opt, 2, 9, rng)
+    monkeypatch.undo()
+    assert path.read_bytes() == before
+    assert sorted(os.listdir(tmp_path)) == ["c.npz"]
+    other = mgnn.dense_resnet(4, 5, 3, 2, seed=0)
+    with pytest.raises(CheckpointError, match="width"):
+        restore(load_checkpoint(path), other, mgnn.Adam(other.params.flat), rng)
+    with pytest.raises(CheckpointError, match="Adam"):
+        restore(load_checkpoint(path), m, mgnn.SGD(m.params.flat), rng)
+    (tmp_path / "junk.npz").write_bytes(b"not a zip")
+    with pytest.raises(CheckpointError, match="junk.npz"):
+        load_checkpoint(tmp_path / "junk.npz")
+
+
+def test_cli_json_summary_and_learning(capsys):
+    assert main(_cli("--epochs", "3", "--json", "--lr", "0.01")) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1
+    s = json.loads(out[0])
+    assert s["epochs"] == 3 and s["data"] == "synthetic" and s["test_accuracy"] > 0.9
+
+
+def test_cli_unknown_and_bad_options():
+    env = dict(os.environ, PYTHONPATH=REPO)
+    r = subprocess.run([sys.executable, "-m", "mgnn", "train", "--bogus-flag", "3"],
+                       capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    assert r.returncode == 2 and "--bogus-flag" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "mgnn", "train", "--optimizer", "rmsprop"],
+                       capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    assert r.returncode == 2 and "rmsprop" in r.stderr
+
+
+def test_cli_errors_are_messages_not_tracebacks(capsys, tmp_path):
+    assert main(["train", "--data", "mnist", "--data-dir", str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err
+    assert "mgnn: error:" in err and "none" in err and "Traceback" not in err
+    assert main(_cli("--layers", "0")) == 2
+    assert "n_layers" in capsys.readouterr().err
+
+
+def test_digits_dense_training_learns():
+    """A short run on the real digits data; the full `make run` target is >= 95%."""
+    ds = mgnn.load_dataset("digits")
+    m = mgnn.dense_resnet(64, 32, 10, 8, dtype="float32", seed=0)
+    lp = mgnn.LayerParallel(m, backend="numba")
+    opt = mgnn.Adam(m.params.flat, lr=0.003)
+    hist = mgnn.fit(lp, opt, ds.as_model_input(ds.x_train, "dense", np.float32), ds.y_train,
+                    ds.as_model_input(ds.x_test, "dense", np.float32), ds.y_test, epochs=3,
+                    batch_size=32, rng=np.random.default_rng(0), progress=False)
+    assert hist[-1]["loss"] < hist[0]["loss"]
+    assert hist[-1]["test_accuracy"] > 0.9
