@@ -106,23 +106,76 @@ def _dense_sweep_backward(U, D, W, h, lam, gW, gb):
     return lam
 
 
+#: At and above this many output elements (B * o) a single dense step uses BLAS through NumPy and
+#: NumPy's SIMD activation ufuncs (Numba's scalar libm tanh is ~6x slower); below it the fused
+#: Numba kernels win because call overhead dominates.
+WIDE = 4096
+
+
+def _wide_forward(x, W, b, h, act, residual, want_deriv):
+    z = np.matmul(x, W.T)
+    z += b
+    D = None
+    if act == 0:
+        t = np.tanh(z, out=z)
+        if want_deriv:
+            D = 1 - t * t
+    elif act == 1:
+        if want_deriv:
+            D = (z > 0).astype(z.dtype)
+        t = np.maximum(z, 0, out=z)
+    else:
+        t = z
+        if want_deriv:
+            D = np.ones_like(z)
+    t *= h
+    if residual:
+        t += x
+    return t, D
+
+
+def _wide_vjp(gy, D, x, W, h, residual, want_params):
+    s = D * gy
+    gx = np.matmul(s, W)
+    gx *= h
+    if residual:
+        gx += gy
+    if not want_params:
+        return gx, None, None
+    gW = np.matmul(s.T, x)
+    gW *= h
+    gb = s.sum(axis=0)
+    gb *= h
+    return gx, gW, gb
+
+
 def dense_forward(x, W, b, h, act, residual):
+    if x.shape[0] * W.shape[0] >= WIDE:
+        return _wide_forward(x, W, b, h, act, residual, False)[0]
     return _dense_forward(x, W, b, h, act, residual, False)[0]
 
 
 def dense_forward_deriv(x, W, b, h, act, residual):
+    if x.shape[0] * W.shape[0] >= WIDE:
+        return _wide_forward(x, W, b, h, act, residual, True)
     return _dense_forward(x, W, b, h, act, residual, True)
 
 
 def dense_deriv(x, W, b, act):
+    if x.shape[0] * W.shape[0] >= WIDE:
+        return _wide_forward(x, W, b, x.dtype.type(1), act, False, True)[1]
     return _dense_deriv(x, W, b, act)
 
 
 def dense_vjp_input(gy, deriv, W, h, residual):
+    if gy.size >= WIDE:
+        return _wide_vjp(gy, deriv, gy, W, h, residual, False)[0]
     return _dense_vjp(gy, deriv, gy, W, h, residual, False)[0]
 
 
 def dense_vjp(gy, deriv, x, W, h, residual):
+    if gy.size >= WIDE:
+        return _wide_vjp(gy, deriv, x, W, h, residual, True)
     return _dense_vjp(gy, deriv, x, W, h, residual, True)
 
 
@@ -142,22 +195,32 @@ for _f, _ref in ((dense_forward, "dense_forward"), (dense_forward_deriv, "dense_
 
 
 # ---------------------------------------------------------------------------------------- conv
+@njit(cache=True)
+def _pad_sample(x, bi):
+    """x[bi] (C, H, W) copied into a zero border of width 1: (C, H+2, W+2)."""
+    C, H, Wd = x.shape[1], x.shape[2], x.shape[3]
+    xp = np.zeros((C, H + 2, Wd + 2), dtype=x.dtype)
+    for c in range(C):
+        for yy in range(H):
+            for xx in range(Wd):
+                xp[c, yy + 1, xx + 1] = x[bi, c, yy, xx]
+    return xp
+
+
 @njit(cache=True, inline="always")
-def _conv_plane(x, bi, K, co, acc):
-    """acc (H, W) += sum_ci conv3x3 of x[bi, ci] with K[co, ci] (padding 1)."""
-    ci_n = x.shape[1]
-    H, Wd = x.shape[2], x.shape[3]
-    for ci in range(ci_n):
+def _conv_plane(xp, K, co, acc):
+    """acc (H, W) += sum_ci cross-correlation of the padded sample xp (ci, H+2, W+2) with K[co].
+
+    All indices are sums of non-negative loop counters, so the inner loop vectorises.
+    """
+    H, Wd = acc.shape
+    for ci in range(xp.shape[0]):
         for dy in range(3):
-            y0 = max(0, 1 - dy)
-            y1 = min(H, H + 1 - dy)
             for dx in range(3):
                 k = K[co, ci, dy, dx]
-                x0 = max(0, 1 - dx)
-                x1 = min(Wd, Wd + 1 - dx)
-                for yy in range(y0, y1):
-                    for xx in range(x0, x1):
-                        acc[yy, xx] += k * x[bi, ci, yy + dy - 1, xx + dx - 1]
+                for yy in range(H):
+                    for xx in range(Wd):
+                        acc[yy, xx] += k * xp[ci, yy + dy, xx + dx]
 
 
 @njit(cache=True, parallel=True)
@@ -167,10 +230,11 @@ def _conv_forward(x, K, b, h, act, residual, want_deriv):
     y = np.empty((B, co_n, H, Wd), dtype=x.dtype)
     D = np.empty((B, co_n, H, Wd) if want_deriv else (0, 0, 0, 0), dtype=x.dtype)
     for bi in prange(B):
+        xp = _pad_sample(x, bi)
         acc = np.empty((H, Wd), dtype=x.dtype)
         for co in range(co_n):
             acc[:] = b[co]
-            _conv_plane(x, bi, K, co, acc)
+            _conv_plane(xp, K, co, acc)
             for yy in range(H):
                 for xx in range(Wd):
                     z = acc[yy, xx]
@@ -187,10 +251,11 @@ def _conv_deriv(x, K, b, act):
     co_n = K.shape[0]
     D = np.empty((B, co_n, H, Wd), dtype=x.dtype)
     for bi in prange(B):
+        xp = _pad_sample(x, bi)
         acc = np.empty((H, Wd), dtype=x.dtype)
         for co in range(co_n):
             acc[:] = b[co]
-            _conv_plane(x, bi, K, co, acc)
+            _conv_plane(xp, K, co, acc)
             for yy in range(H):
                 for xx in range(Wd):
                     D[bi, co, yy, xx] = _dsig(acc[yy, xx], act)
@@ -199,25 +264,25 @@ def _conv_deriv(x, K, b, act):
 
 @njit(cache=True, parallel=True)
 def _conv_vjp_input(s, gy, K, h, residual, ci_n):
-    """[gy +] h conv3x3^T(s, K); s (B, co, H, W) -> (B, ci, H, W)."""
+    """[gy +] h conv3x3^T(s, K); s (B, co, H, W) -> (B, ci, H, W).
+
+    gx[ci, y, x] = sum_{co, dy, dx} K[co, ci, dy, dx] s[co, y + 1 - dy, x + 1 - dx]; with the
+    padded sp and r = 2 - d this reads sp[co, y + r, x + r'] (non-negative indices).
+    """
     B, co_n, H, Wd = s.shape
     gx = np.empty((B, ci_n, H, Wd), dtype=s.dtype)
     for bi in prange(B):
+        sp = _pad_sample(s, bi)
         acc = np.empty((H, Wd), dtype=s.dtype)
         for ci in range(ci_n):
             acc[:] = 0
             for co in range(co_n):
-                for dy in range(3):
-                    # output row yy receives s at row yy - dy + 1
-                    y0 = max(0, dy - 1)
-                    y1 = min(H, H + dy - 1)
-                    for dx in range(3):
-                        k = K[co, ci, dy, dx]
-                        x0 = max(0, dx - 1)
-                        x1 = min(Wd, Wd + dx - 1)
-                        for yy in range(y0, y1):
-                            for xx in range(x0, x1):
-                                acc[yy, xx] += k * s[bi, co, yy - dy + 1, xx - dx + 1]
+                for ry in range(3):
+                    for rx in range(3):
+                        k = K[co, ci, 2 - ry, 2 - rx]
+                        for yy in range(H):
+                            for xx in range(Wd):
+                                acc[yy, xx] += k * sp[co, yy + ry, xx + rx]
             for yy in range(H):
                 for xx in range(Wd):
                     gx[bi, ci, yy, xx] = gy[bi, ci, yy, xx] + h * acc[yy, xx] if residual \
@@ -226,10 +291,23 @@ def _conv_vjp_input(s, gy, K, h, residual, ci_n):
 
 
 @njit(cache=True, parallel=True)
+def _pad_all(x):
+    B, C, H, Wd = x.shape
+    xp = np.zeros((B, C, H + 2, Wd + 2), dtype=x.dtype)
+    for bi in prange(B):
+        for c in range(C):
+            for yy in range(H):
+                for xx in range(Wd):
+                    xp[bi, c, yy + 1, xx + 1] = x[bi, c, yy, xx]
+    return xp
+
+
+@njit(cache=True, parallel=True)
 def _conv_param_grad(s, x, h):
     """(h * dK (co, ci, 3, 3), h * db (co,)) of conv3x3 at input x for output cotangent s."""
     B, co_n, H, Wd = s.shape
     ci_n = x.shape[1]
+    xp = _pad_all(x)
     gK = np.empty((co_n, ci_n, 3, 3), dtype=s.dtype)
     gb = np.empty(co_n, dtype=s.dtype)
     for co in prange(co_n):
@@ -241,16 +319,12 @@ def _conv_param_grad(s, x, h):
         gb[co] = h * tb
         for ci in range(ci_n):
             for dy in range(3):
-                y0 = max(0, 1 - dy)
-                y1 = min(H, H + 1 - dy)
                 for dx in range(3):
-                    x0 = max(0, 1 - dx)
-                    x1 = min(Wd, Wd + 1 - dx)
                     t = s.dtype.type(0)
                     for bi in range(B):
-                        for yy in range(y0, y1):
-                            for xx in range(x0, x1):
-                                t += s[bi, co, yy, xx] * x[bi, ci, yy + dy - 1, xx + dx - 1]
+                        for yy in range(H):
+                            for xx in range(Wd):
+                                t += s[bi, co, yy, xx] * xp[bi, ci, yy + dy, xx + dx]
                     gK[co, ci, dy, dx] = h * t
     return gK, gb
 

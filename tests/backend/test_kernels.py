@@ -150,3 +150,26 @@ def test_reference_conv_matches_direct_definition(rng):
                 for j in range(5):
                     want[n, o, i, j] = np.sum(xp[n, :, i:i + 3, j:j + 3] * K[o])
     np.testing.assert_allclose(y, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", FAST)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("act", ACTS)
+def test_dense_kernels_wide_path(backend, dtype, act, rng):
+    """Shapes at or above the numba backend's WIDE threshold take its BLAS path."""
+    from mgnn.backend.numba_cpu import WIDE
+    bk = get_backend(backend)
+    B = WIDE // 64
+    x, W, b, g, h = _dense_case(rng, dtype, B=B, i=64, o=64)
+    y, d = bk.dense_forward_deriv(x, W, b, h, act, True)
+    yr, dr = REF.dense_forward_deriv(x, W, b, h, act, True)
+    assert_close(y, yr, dtype, "y")
+    assert_close(d, dr, dtype, "d")
+    assert_close(bk.dense_forward(x, W, b, h, act, False), REF.dense_forward(x, W, b, h, act, False),
+                 dtype, "forward")
+    assert_close(bk.dense_deriv(x, W, b, act), dr, dtype, "deriv")
+    assert_close(bk.dense_vjp_input(g, dr, W, h, True), REF.dense_vjp_input(g, dr, W, h, True),
+                 dtype, "vjp_input")
+    for a, r, n in zip(bk.dense_vjp(g, dr, x, W, h, False), REF.dense_vjp(g, dr, x, W, h, False),
+                       ("gx", "gW", "gb")):
+        assert_close(a, r, dtype, n)
