@@ -1,1 +1,10 @@
-"""MGRIT across layers: options, hierarchy, relaxation, cycles, solver (to come)."""
+"""MGRIT across layers: options, hierarchy (index maths), FAS V-cycle solver over a propagator.
+
+Never imports :mod:`mgnn.blocks`: networks plug in through the propagator protocol.
+"""
+from .hierarchy import intervals, level_sizes
+from .options import MGRITOptions
+from .solver import DivergenceError, MGRITResult, MGRITSolver
+
+__all__ = ["MGRITOptions", "MGRITSolver", "MGRITResult", "DivergenceError", "level_sizes",
+           "intervals"]
