@@ -13,7 +13,7 @@ def _train_parser(sub):
                                    "per epoch, the final test accuracy and the time per batch.")
     a = p.add_argument
     a("--model", choices=["dense", "conv"], default="dense", help="network kind (default dense)")
-    a("--layers", type=int, default=16, help="residual layers N (default 16)")
+    a("--layers", type=int, default=32, help="residual layers N (default 32)")
     a("--width", type=int, default=64, help="dense state width (default 64)")
     a("--channels", type=int, default=8, help="conv state channels (default 8)")
     a("--pool", type=int, default=1, help="conv closing: average pool grid p x p (default 1)")
@@ -33,6 +33,21 @@ def _train_parser(sub):
     a("--dtype", choices=["float32", "float64"], default="float32")
     a("--backend", choices=["numpy", "numba"], default="numba")
     a("--seed", type=int, default=0, help="seeds the initial parameters and the shuffling")
+    g = p.add_argument_group("MGRIT (layer-parallel propagation; --levels 1 = layer by layer)")
+    g.add_argument("--levels", type=int, default=1, help="MGRIT max levels (default 1: serial)")
+    g.add_argument("--cf", type=int, default=4, help="coarsening factor (default 4)")
+    g.add_argument("--nrelax", default="0,1",
+                   help="(C,F) sweeps after the first F per level, comma list, last repeats; "
+                        "default 0,1 = F on level 0, FCF below")
+    g.add_argument("--fwd-iters", type=int, default=2, help="forward cycles (default 2)")
+    g.add_argument("--bwd-iters", type=int, default=1, help="adjoint cycles (default 1)")
+    g.add_argument("--fwd-tol", type=float, default=1e-10, help="forward abs. tolerance")
+    g.add_argument("--bwd-tol", type=float, default=1e-10, help="adjoint abs. tolerance")
+    g.add_argument("--min-coarse", type=int, default=2, help="least intervals on a coarse level")
+    g.add_argument("--skip-downcycle", action="store_true",
+                   help="cycle 0 is a cascadic initial guess (XBraid's skip)")
+    g.add_argument("--warm-start", action="store_true",
+                   help="start each forward solve from the previous batch's states")
     a("--checkpoint", default=None, help="write a checkpoint (.npz) here after every epoch")
     a("--resume", default=None, help="resume from this checkpoint (same model options)")
     a("--json", action="store_true", help="print one machine-readable summary line on stdout")
@@ -42,10 +57,25 @@ def _train_parser(sub):
 
 def _bench_parser(sub):
     p = sub.add_parser("bench", help="benchmarks (ratios against baselines, same run)")
-    p.add_argument("suite", choices=["kernels"], help="which benchmark suite")
+    p.add_argument("suite", choices=["kernels", "mgrit"], help="which benchmark suite")
     p.add_argument("--quick", action="store_true", help="fewer cases")
     p.add_argument("--json", action="store_true", help="print results as JSON lines")
     return p
+
+
+def _mgrit_options(args):
+    """(fwd, bwd) MGRITOptions from the CLI, or (None, None) for --levels 1."""
+    from .mgrit import MGRITOptions
+    if args.levels == 1:
+        return None, None
+    try:
+        nrelax = [int(v) for v in args.nrelax.split(",")]
+    except ValueError:
+        raise ValueError(f"--nrelax must be a comma list of ints, got {args.nrelax!r}") from None
+    common = dict(cf=args.cf, max_levels=args.levels, nrelax=nrelax,
+                  skip_downcycle=args.skip_downcycle, min_coarse=args.min_coarse)
+    return (MGRITOptions(tol=args.fwd_tol, max_iter=args.fwd_iters, **common),
+            MGRITOptions(tol=args.bwd_tol, max_iter=args.bwd_iters, **common))
 
 
 def cmd_train(args):
@@ -73,7 +103,8 @@ def cmd_train(args):
     xte = ds.as_model_input(ds.x_test, args.model, model.dtype)
     lr = args.lr if args.lr is not None else (0.05 if args.optimizer == "sgd" else 0.003)
     opt = make_optimizer(args.optimizer, model.params.flat, lr, args.momentum, args.weight_decay)
-    lp = LayerParallel(model, backend=args.backend)
+    fwd, bwd = _mgrit_options(args)
+    lp = LayerParallel(model, fwd=fwd, bwd=bwd, backend=args.backend, warm_start=args.warm_start)
     rng = np.random.default_rng(args.seed)
     start, step = 0, 0
     if args.resume:
@@ -84,6 +115,12 @@ def cmd_train(args):
         f"{args.dtype}, backend {args.backend}; data {ds.name}: {len(ds.y_train)} train / "
         f"{len(ds.y_test)} test; {args.optimizer} lr {lr}, batch {args.batch_size}, "
         f"{args.epochs} epochs")
+    if fwd is not None:
+        from .mgrit import level_sizes
+        sizes = level_sizes(args.layers, args.cf, args.levels, args.min_coarse)
+        log(f"MGRIT: levels {sizes} (intervals), cf {args.cf}, nrelax {args.nrelax}, "
+            f"{args.fwd_iters} forward / {args.bwd_iters} adjoint cycles, "
+            f"skip_downcycle {args.skip_downcycle}, warm start {args.warm_start}")
     tj = time.perf_counter()
     lp.loss_and_grad(xtr[:2], ds.y_train[:2])  # compile (or load cached) kernels before timing
     log(f"kernels ready in {time.perf_counter() - tj:.1f} s")
@@ -95,7 +132,7 @@ def cmd_train(args):
     train_s = time.perf_counter() - t0
     from .train import evaluate
     acc = hist[-1]["test_accuracy"] if hist else evaluate(lp, xte, ds.y_test)
-    summary = {"model": args.model, "layers": args.layers, "data": ds.name, "dtype": args.dtype,
+    summary = {"model": args.model, "layers": args.layers, "levels": args.levels, "data": ds.name, "dtype": args.dtype,
                "backend": args.backend, "epochs": args.epochs, "test_accuracy": acc,
                "final_loss": hist[-1]["loss"] if hist else None,
                "ms_per_batch": float(np.mean([h["ms_per_batch"] for h in hist])) if hist else None,
@@ -110,13 +147,18 @@ def cmd_train(args):
 
 def cmd_bench(args):
     """Run ``bench``; returns the list of results."""
-    from .bench import format_results, run_kernels
-    results = run_kernels(quick=args.quick)
+    from .bench import bench_mgrit, format_mgrit, format_results, run_kernels
+    if args.suite == "kernels":
+        results = run_kernels(quick=args.quick)
+        text = format_results(results)
+    else:
+        results = bench_mgrit(n_layers=64 if args.quick else 256)
+        text = format_mgrit(results)
     if args.json:
         for r in results:
             print(json.dumps(r))
     else:
-        print(format_results(results))
+        print(text)
     return results
 
 

@@ -110,3 +110,68 @@ def format_results(results):
         s += f"   [target {r['target']}]"
         lines.append(s)
     return "\n".join(lines)
+
+
+class _CountingPropagator:
+    """Wraps a propagator: counts step calls and the wall time spent inside them."""
+
+    def __init__(self, inner):
+        self.inner, self.calls, self.seconds = inner, 0, 0.0
+
+    def step(self, u, start, stop, level):
+        t0 = time.perf_counter()
+        out = self.inner.step(u, start, stop, level)
+        self.seconds += time.perf_counter() - t0
+        self.calls += 1
+        return out
+
+
+def bench_mgrit(n_layers=256, width=64, batch=128, cf=4, levels=3, nrelax=(0, 1), cycles=2,
+                backend="numba", dtype="float64", seed=0, repeats=3):
+    """Layer evaluations per cycle / N (counted against the cost model) and the share of solve time
+    spent outside the step kernels, for the forward and the adjoint MGRIT solve of a dense net."""
+    from .mgrit import MGRITOptions, MGRITSolver, cycle_work, level_sizes
+    from .network import AdjointPropagator, ForwardPropagator
+    model = dense_resnet(width, width, 10, n_layers, dtype=dtype, seed=seed)
+    bk = get_backend(backend)
+    rng = np.random.default_rng(seed)
+    u0 = rng.standard_normal((batch, width)).astype(model.dtype)
+    opts = MGRITOptions(cf=cf, max_levels=levels, nrelax=list(nrelax), tol=0.0, max_iter=cycles)
+    sizes = level_sizes(n_layers, cf, levels, opts.min_coarse)
+    per_cycle_model = cycle_work(sizes, cf, opts.nrelax_on) / n_layers
+    final_relax = sizes[0] - sizes[1] if len(sizes) > 1 else 0
+    lp = LayerParallel(model, backend=backend)
+    U, _ = lp._serial_states(u0, store=False)
+    steps = model.group("steps")
+    D = [model.step.deriv(steps["weight"][n], steps["bias"][n], U[n], bk)
+         for n in range(n_layers)]
+    out = []
+    for name, make, start in (("forward", lambda: ForwardPropagator(model, bk), u0),
+                              ("adjoint", lambda: AdjointPropagator(model, U, D, bk), u0)):
+        make().step(start, 0, 1, 0)  # compile / warm up
+        best = None
+        for _ in range(repeats):
+            prop = _CountingPropagator(make())
+            t0 = time.perf_counter()
+            MGRITSolver(prop, n_layers, opts).solve(start)
+            total = time.perf_counter() - t0
+            if best is None or total < best[0]:
+                best = (total, prop)
+        total, prop = best
+        per_cycle = (prop.calls - final_relax) / cycles / n_layers
+        out.append({"name": f"MGRIT {name} N={n_layers} w={width} B={batch} cf={cf} "
+                            f"levels={sizes} nrelax={list(nrelax)} {cycles} cycles {backend}",
+                    "time_us": 1e6 * total, "evals_per_cycle_over_N": per_cycle,
+                    "model_evals_per_cycle_over_N": per_cycle_model,
+                    "outside_kernels_fraction": (total - prop.seconds) / total,
+                    "target": "outside-kernel time <= 10% of the solve"})
+    return out
+
+
+def format_mgrit(results):
+    """Plain-text lines for :func:`bench_mgrit` results."""
+    return "\n".join(
+        f"{r['name']}\n    {r['time_us'] / 1e3:9.1f} ms  layer evaluations per cycle / N: "
+        f"measured {r['evals_per_cycle_over_N']:.4f}, model {r['model_evals_per_cycle_over_N']:.4f}"
+        f"  time outside step kernels {100 * r['outside_kernels_fraction']:.1f}%  "
+        f"[target {r['target']}]" for r in results)

@@ -9,6 +9,7 @@ import numbers
 import numpy as np
 
 from .backend import check_dtype, get_backend
+from .mgrit import MGRITOptions, MGRITSolver
 from .blocks import (ConvOpening, ConvStep, DenseClosing, DenseOpening, DenseStep, PoolClosing,
                      SoftmaxCrossEntropy)
 from .params import ParamDict
@@ -171,33 +172,90 @@ def build_model(config, seed=0):
     raise ValueError(f"unknown model kind {kind!r}; expected 'dense' or 'conv'")
 
 
+class ForwardPropagator:
+    """The forward residual steps of a model as an MGRIT propagator.
+
+    ``step(u, start, stop, level)`` applies layer ``start`` (injection of the parameters of the
+    layer at the coarse point) with step size ``(stop - start) h``.
+    """
+
+    def __init__(self, model, bk):
+        self.kind, self.bk = model.step, bk
+        steps = model.group("steps")
+        self.W, self.b = steps["weight"], steps["bias"]
+        self.h, self.dtype = model.t_final / model.n_layers, model.dtype
+
+    def step(self, u, start, stop, level):
+        """State at fine index ``stop`` from ``u`` at ``start``: u + (stop-start) h F(u; theta_start)."""
+        h = self.dtype.type((stop - start) * self.h)
+        return self.kind.forward(self.W[start], self.b[start], u, h, self.bk)
+
+
+class AdjointPropagator:
+    """The adjoint recursion lam_n = lam_{n+1} + h J_n^T lam_{n+1} as a forward-in-index propagator.
+
+    Reversed index m stands for forward index N - m. ``step(lam, start, stop, level)`` is the state
+    vjp of the (coarse) forward step out of n = N - stop with step size (stop - start) h, at the
+    stored forward state u_n, with sigma'(z_n) ``derivs[n]`` (the same on every level: z_n does not
+    depend on the step size).
+    """
+
+    def __init__(self, model, states, derivs, bk):
+        self.kind, self.bk = model.step, bk
+        steps = model.group("steps")
+        self.W, self.b = steps["weight"], steps["bias"]
+        self.N, self.h, self.dtype = model.n_layers, model.t_final / model.n_layers, model.dtype
+        self.U, self.D = states, derivs
+
+    def step(self, lam, start, stop, level):
+        """Adjoint at reversed index ``stop`` from ``lam`` at reversed index ``start``."""
+        n = self.N - stop
+        h = self.dtype.type((stop - start) * self.h)
+        return self.kind.vjp_state(self.W[n], self.b[n], self.U[n], h, lam, self.bk,
+                                   deriv=self.D[n])
+
+
 class LayerParallel:
     """Forward and adjoint propagation of a model, with the loss and its gradient.
 
     Parameters
     ----------
     model : Model
-    fwd, bwd : None
-        MGRIT options of the forward and adjoint solves; ``None`` runs the layers one after the
-        other (exact serial forward and backpropagation).
+    fwd, bwd : MGRITOptions or None
+        MGRIT options of the forward and the adjoint solve; ``None`` propagates layer after layer
+        (exact). Training usually uses a fixed small cycle count (e.g. ``max_iter`` 2 and 1), so
+        gradients are inexact: :attr:`stats` reports both residual histories of every call.
     comm : None
         Communicator; ``None`` (serial) is what this version supports.
     backend : {'numba', 'numpy'}
+    warm_start : bool
+        Start the forward solve from the previous call's states (same batch size), as TorchBraid
+        and DLMG do.
+
+    Attributes
+    ----------
+    stats : dict
+        ``{'forward': {'residuals': [...], 'iterations': k}, 'adjoint': {...}}`` of the last call.
     """
 
-    def __init__(self, model, fwd=None, bwd=None, comm=None, backend="numba"):
+    def __init__(self, model, fwd=None, bwd=None, comm=None, backend="numba", warm_start=False):
         if not isinstance(model, Model):
             raise TypeError(f"model must be an mgnn Model, got {type(model).__name__}")
         for name, opt in (("fwd", fwd), ("bwd", bwd)):
-            if opt is not None:
-                raise ValueError(f"{name}={opt!r}: MGRIT options are not supported yet; "
-                                 "pass None for serial propagation")
+            if opt is not None and not isinstance(opt, MGRITOptions):
+                raise TypeError(f"{name} must be MGRITOptions or None, got {type(opt).__name__}")
+            if opt is not None:  # validates the hierarchy against N before any kernel runs
+                MGRITSolver(ForwardPropagator(model, None), model.n_layers, opt)
         if comm is not None and getattr(comm, "Get_size", lambda: 1)() != 1:
             raise ValueError(f"comm of size {comm.Get_size()} is not supported yet; pass None")
+        if not isinstance(warm_start, bool):
+            raise TypeError(f"warm_start must be a bool, got {warm_start!r}")
         self.model = model
+        self.fwd, self.bwd, self.warm_start = fwd, bwd, warm_start
         self.backend = backend
         self.bk = get_backend(backend)
         self.stats = {}
+        self._previous_states = None
 
     # ------------------------------------------------------------------------------ validation
     def _check_x(self, x):
@@ -227,19 +285,43 @@ class LayerParallel:
         return np.ascontiguousarray(y, dtype=np.int64)
 
     # ------------------------------------------------------------------------------ computation
-    def _forward(self, x, store):
-        m, bk = self.model, self.bk
-        u0, d_open = m.opening.forward(m.group("opening"), x, bk)
+    def _serial_states(self, u0, store):
+        """Layer after layer: U (N+1, B, ...) and, if ``store``, D = sigma'(z_n) (N, B, ...)."""
+        m = self.model
         steps = m.group("steps")
         U = np.empty((m.n_layers + 1,) + u0.shape, dtype=m.dtype)
         U[0] = u0
         D = np.empty((m.n_layers if store else 0,) + u0.shape, dtype=m.dtype)
-        m.step.sweep_forward(steps["weight"], steps["bias"], U, m.h, D, bk)
+        m.step.sweep_forward(steps["weight"], steps["bias"], U, m.h, D, self.bk)
+        return U, D
+
+    def _forward(self, x, store):
+        m, bk = self.model, self.bk
+        u0, d_open = m.opening.forward(m.group("opening"), x, bk)
+        U, D = self._serial_states(u0, store)
         logits, c_close = m.closing.forward(m.group("closing"), U[-1], bk)
         return logits, (d_open, U, D, c_close)
 
+    def _serial_loss_and_grad(self, x, y):
+        m, bk = self.model, self.bk
+        logits, (d_open, U, D, c_close) = self._forward(x, store=True)
+        loss, g = m.loss.forward_grad(logits, y, bk)
+        grads = m.params.zeros_like()
+        lam, gc = m.closing.vjp(m.group("closing"), U[-1], c_close, g, bk)
+        steps = m.group("steps")
+        lam = m.step.sweep_backward(steps["weight"], steps["bias"], U, D, m.h, lam,
+                                    grads["steps.weight"], grads["steps.bias"], bk)
+        _, go = m.opening.vjp(m.group("opening"), x, d_open, lam, bk)
+        for prefix, gd in (("opening", go), ("closing", gc)):
+            for k, v in gd.items():
+                grads[f"{prefix}.{k}"][...] = v
+        self.stats = {"forward": {"residuals": [], "iterations": 0},
+                      "adjoint": {"residuals": [], "iterations": 0}}
+        return loss, grads
+
     def logits(self, x):
-        """Logits (B, K) of the model's dtype for inputs x (B, ...)."""
+        """Logits (B, K) of the model's dtype for inputs x (B, ...), by exact serial forward
+        propagation (the network's function, whatever the training solver options)."""
         return self._forward(self._check_x(x), store=False)[0]
 
     def predict(self, x):
@@ -263,17 +345,46 @@ class LayerParallel:
         x = self._check_x(x)
         y = self._check_y(y, x.shape[0])
         m, bk = self.model, self.bk
-        logits, (d_open, U, D, c_close) = self._forward(x, store=True)
+        if self.fwd is None and self.bwd is None:
+            return self._serial_loss_and_grad(x, y)
+        steps = m.group("steps")
+        W, b = steps["weight"], steps["bias"]
+        u0, d_open = m.opening.forward(m.group("opening"), x, bk)
+        stats = {"forward": {"residuals": [], "iterations": 0},
+                 "adjoint": {"residuals": [], "iterations": 0}}
+        if self.fwd is None:
+            U, D = self._serial_states(u0, store=True)
+        else:
+            guess = None
+            prev = self._previous_states
+            if self.warm_start and prev is not None and prev[0].shape == u0.shape:
+                guess = prev.__getitem__
+            res = MGRITSolver(ForwardPropagator(m, bk), m.n_layers, self.fwd).solve(u0, guess)
+            U = res.states
+            D = [m.step.deriv(W[n], b[n], U[n], bk) for n in range(m.n_layers)]
+            stats["forward"] = {"residuals": list(res.residuals), "iterations": res.iterations}
+            if self.warm_start:
+                self._previous_states = U
+        logits, c_close = m.closing.forward(m.group("closing"), U[-1], bk)
         loss, g = m.loss.forward_grad(logits, y, bk)
         grads = m.params.zeros_like()
-        lam, gc = m.closing.vjp(m.group("closing"), U[-1], c_close, g, bk)
-        steps = m.group("steps")
-        lam = m.step.sweep_backward(steps["weight"], steps["bias"], U, D, m.h, lam,
-                                    grads["steps.weight"], grads["steps.bias"], bk)
-        _, go = m.opening.vjp(m.group("opening"), x, d_open, lam, bk)
+        lam_N, gc = m.closing.vjp(m.group("closing"), U[-1], c_close, g, bk)
+        N = m.n_layers
+        if self.bwd is None:
+            lam = [None] * (N + 1)
+            lam[N] = lam_N
+            for n in range(N - 1, -1, -1):
+                lam[n] = m.step.vjp_state(W[n], b[n], U[n], m.h, lam[n + 1], bk, deriv=D[n])
+        else:
+            res = MGRITSolver(AdjointPropagator(m, U, D, bk), N, self.bwd).solve(lam_N)
+            lam = res.states[::-1]
+            stats["adjoint"] = {"residuals": list(res.residuals), "iterations": res.iterations}
+        gW, gb = grads["steps.weight"], grads["steps.bias"]
+        for n in range(N):
+            gW[n], gb[n] = m.step.vjp_params(U[n], m.h, lam[n + 1], D[n], bk)
+        _, go = m.opening.vjp(m.group("opening"), x, d_open, lam[0], bk)
         for prefix, gd in (("opening", go), ("closing", gc)):
             for k, v in gd.items():
                 grads[f"{prefix}.{k}"][...] = v
-        self.stats = {"forward": {"residuals": [], "iterations": 0},
-                      "adjoint": {"residuals": [], "iterations": 0}}
+        self.stats = stats
         return loss, grads

@@ -4,7 +4,20 @@ import numpy as np
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SHARED = os.path.abspath(os.path.join(HERE, "..", "..", "shared"))
+
+
+
+def _shared_dir():
+    """The shared folder (reference cases, MNIST): $MGNN_SHARED_DIR, ../shared next to the
+    checkout, or /work/shared."""
+    for cand in (os.environ.get("MGNN_SHARED_DIR"), os.path.join(HERE, "..", "..", "shared"),
+                 "/work/shared"):
+        if cand and os.path.isdir(cand):
+            return os.path.abspath(cand)
+    return os.path.abspath(os.path.join(HERE, "..", "..", "shared"))
+
+
+SHARED = _shared_dir()
 MNIST_DIR = os.environ.get("MGNN_MNIST_DIR") or os.path.join(SHARED, "datasets", "mnist")
 
 RTOL = {"float32": 1e-5, "float64": 1e-12}

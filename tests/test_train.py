@@ -104,3 +104,28 @@ def test_digits_dense_training_learns():
                     batch_size=32, rng=np.random.default_rng(0), progress=False)
     assert hist[-1]["loss"] < hist[0]["loss"]
     assert hist[-1]["test_accuracy"] > 0.9
+
+
+def test_cli_mgrit_training_matches_serial_accuracy(capsys):
+    """Acceptance: 3 levels, cf 4, 2 forward / 1 adjoint cycles with skip on digits reaches the
+    serial run's test accuracy within 1 percentage point (same seed)."""
+    common = ["train", "--data", "digits", "--epochs", "10", "--no-progress", "--json",
+              "--seed", "0", "--layers", "32"]
+    assert main(common) == 0
+    serial = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert main(common + ["--levels", "3", "--cf", "4", "--fwd-iters", "2", "--bwd-iters", "1",
+                          "--skip-downcycle"]) == 0
+    captured = capsys.readouterr()
+    mgrit = json.loads(captured.out.strip().splitlines()[-1])
+    assert "levels [32, 8, 2]" in captured.err and "for res" in captured.err
+    assert serial["test_accuracy"] > 0.95
+    assert abs(mgrit["test_accuracy"] - serial["test_accuracy"]) <= 0.01, (serial, mgrit)
+
+
+def test_cli_bad_mgrit_options(capsys):
+    assert main(_cli("--levels", "3", "--cf", "1")) == 2
+    assert "cf" in capsys.readouterr().err
+    assert main(_cli("--levels", "2", "--nrelax", "a,b")) == 2
+    assert "'a,b'" in capsys.readouterr().err
+    assert main(_cli("--levels", "3", "--cf", "8", "--layers", "4")) == 2
+    assert "n_steps=4" in capsys.readouterr().err

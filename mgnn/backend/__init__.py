@@ -10,8 +10,9 @@ from .._config import ACTIVATIONS, CPU_BACKENDS, DTYPES
 #: Every kernel a backend provides (the contract tests iterate over this).
 KERNELS = (
     "dense_forward", "dense_forward_deriv", "dense_deriv", "dense_vjp_input", "dense_vjp",
+    "dense_vjp_params",
     "dense_sweep_forward", "dense_sweep_backward",
-    "conv_forward", "conv_forward_deriv", "conv_deriv", "conv_vjp_input", "conv_vjp",
+    "conv_forward", "conv_forward_deriv", "conv_deriv", "conv_vjp_input", "conv_vjp", "conv_vjp_params",
     "avgpool_forward", "avgpool_vjp", "softmax_xent",
 )
 

@@ -89,6 +89,21 @@ def _dense_vjp(gy, D, x, W, h, residual, want_params):
 
 
 @njit(cache=True)
+def _dense_vjp_params(gy, D, x, h):
+    B, o = gy.shape
+    s = np.empty_like(gy)
+    gb = np.zeros(o, dtype=gy.dtype)
+    for i in range(B):
+        for j in range(o):
+            s[i, j] = D[i, j] * gy[i, j]
+            gb[j] += s[i, j]
+    gW = np.dot(s.T, x)
+    gW *= h
+    gb *= h
+    return gW, gb
+
+
+@njit(cache=True)
 def _dense_sweep_forward(U, W, b, h, act, D):
     want = D.shape[0] > 0
     dummy = np.empty((0, 0), dtype=U.dtype)
@@ -179,6 +194,17 @@ def dense_vjp(gy, deriv, x, W, h, residual):
     return _dense_vjp(gy, deriv, x, W, h, residual, True)
 
 
+def dense_vjp_params(gy, deriv, x, h):
+    if gy.size >= WIDE:
+        s = deriv * gy
+        gW = np.matmul(s.T, x)
+        gW *= h
+        gb = s.sum(axis=0)
+        gb *= h
+        return gW, gb
+    return _dense_vjp_params(gy, deriv, x, h)
+
+
 def dense_sweep_forward(U, W, b, h, act, D):
     _dense_sweep_forward(U, W, b, h, act, D)
 
@@ -189,7 +215,8 @@ def dense_sweep_backward(U, D, W, h, lam, gW, gb):
 
 for _f, _ref in ((dense_forward, "dense_forward"), (dense_forward_deriv, "dense_forward_deriv"),
                  (dense_deriv, "dense_deriv"), (dense_vjp_input, "dense_vjp_input"),
-                 (dense_vjp, "dense_vjp"), (dense_sweep_forward, "dense_sweep_forward"),
+                 (dense_vjp, "dense_vjp"), (dense_vjp_params, "dense_vjp_params"),
+                 (dense_sweep_forward, "dense_sweep_forward"),
                  (dense_sweep_backward, "dense_sweep_backward")):
     _f.__doc__ = f"Numba kernel; contract of :func:`mgnn.backend.numpy_ref.{_ref}`."
 
@@ -362,7 +389,11 @@ def conv_vjp(gy, deriv, x, K, h, residual):
     return _conv_vjp_input(s, gy, K, h, residual, K.shape[1]), gK, gb
 
 
-for _f, _ref in ((conv_forward, "conv_forward"), (conv_forward_deriv, "conv_forward_deriv"),
+def conv_vjp_params(gy, deriv, x, h):
+    return _conv_param_grad(_mul(deriv, gy), x, h)
+
+
+for _f, _ref in ((conv_forward, "conv_forward"), (conv_vjp_params, "conv_vjp_params"), (conv_forward_deriv, "conv_forward_deriv"),
                  (conv_deriv, "conv_deriv"), (conv_vjp_input, "conv_vjp_input"),
                  (conv_vjp, "conv_vjp")):
     _f.__doc__ = f"Numba kernel; contract of :func:`mgnn.backend.numpy_ref.{_ref}`."

@@ -69,6 +69,12 @@ def dense_vjp(gy, deriv, x, W, h, residual):
     return (gy + gx if residual else gx), h * (s.T @ x), h * s.sum(axis=0)
 
 
+def dense_vjp_params(gy, deriv, x, h):
+    """(gW = h s^T x (o, i), gb = h sum_B s (o,)) with s = sigma' * gy (no input gradient)."""
+    s = deriv * gy
+    return h * (s.T @ x), h * s.sum(axis=0)
+
+
 def dense_sweep_forward(U, W, b, h, act, D):
     """Residual steps n = 0..N-1 in place: U[n+1] = U[n] + h sigma(U[n] W[n]^T + b[n]).
 
@@ -160,6 +166,12 @@ def conv_vjp(gy, deriv, x, K, h, residual):
     gx = h * _conv3x3_transpose(s, K)
     return ((gy + gx if residual else gx), h * _conv3x3_kernel_grad(s, x),
             h * s.sum(axis=(0, 2, 3)))
+
+
+def conv_vjp_params(gy, deriv, x, h):
+    """(gK (co, ci, 3, 3), gb (co,)) with s = sigma' * gy (no input gradient)."""
+    s = deriv * gy
+    return h * _conv3x3_kernel_grad(s, x), h * s.sum(axis=(0, 2, 3))
 
 
 # ------------------------------------------------------------------------------ pooling, loss

@@ -15,7 +15,7 @@ from ..backend import activation_code
 class _StepKind:
     """Shared code of the residual step kinds; subclasses name their kernels."""
 
-    _fwd = _fwd_deriv = _deriv = _vjp = _vjp_input = None  # backend kernel names
+    _fwd = _fwd_deriv = _deriv = _vjp = _vjp_input = _vjp_params = None  # backend kernel names
 
     def __init__(self, activation):
         self.activation = activation
@@ -45,6 +45,10 @@ class _StepKind:
             deriv = self.deriv(W, b, u, bk)
         return getattr(bk, self._vjp)(lam, deriv, u, W, h, True)
 
+    def vjp_params(self, u, h, lam, deriv, bk):
+        """(gW, gb) = h (dF/dtheta at u)^T lam, from sigma'(z) ``deriv`` at u."""
+        return getattr(bk, self._vjp_params)(lam, deriv, u, h)
+
     def sweep_forward(self, W, b, U, h, D, bk):
         """U[n+1] = U[n] + h F(U[n]; W[n], b[n]) for n = 0..len(W)-1, in place.
 
@@ -67,7 +71,7 @@ class DenseStep(_StepKind):
     """F(u) = sigma(u W^T + b); u (B, w), W (w, w), b (w,)."""
 
     _fwd, _fwd_deriv, _deriv = "dense_forward", "dense_forward_deriv", "dense_deriv"
-    _vjp, _vjp_input = "dense_vjp", "dense_vjp_input"
+    _vjp, _vjp_input, _vjp_params = "dense_vjp", "dense_vjp_input", "dense_vjp_params"
 
     def __init__(self, width, activation="tanh"):
         super().__init__(activation)
@@ -92,7 +96,7 @@ class ConvStep(_StepKind):
     """F(u) = sigma(conv3x3(u, K) + b); u (B, C, H, W), K (C, C, 3, 3), b (C,)."""
 
     _fwd, _fwd_deriv, _deriv = "conv_forward", "conv_forward_deriv", "conv_deriv"
-    _vjp, _vjp_input = "conv_vjp", "conv_vjp_input"
+    _vjp, _vjp_input, _vjp_params = "conv_vjp", "conv_vjp_input", "conv_vjp_params"
 
     def __init__(self, channels, image_size, activation="tanh"):
         super().__init__(activation)

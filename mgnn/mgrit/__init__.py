@@ -2,9 +2,9 @@
 
 Never imports :mod:`mgnn.blocks`: networks plug in through the propagator protocol.
 """
-from .hierarchy import intervals, level_sizes
+from .hierarchy import cycle_work, intervals, level_sizes
 from .options import MGRITOptions
 from .solver import DivergenceError, MGRITResult, MGRITSolver
 
 __all__ = ["MGRITOptions", "MGRITSolver", "MGRITResult", "DivergenceError", "level_sizes",
-           "intervals"]
+           "intervals", "cycle_work"]

@@ -33,6 +33,9 @@ class MGRITResult:
 
 
 def _norm2(a):
+    """Squared 2-norm of an array (real or complex), as a Python float."""
+    if a.dtype.kind == "c":
+        return float((a.conj() * a).real.sum())
     return float((a * a).sum())
 
 
@@ -62,9 +65,13 @@ class MGRITSolver:
         self.prop = propagator
         self.n_steps = n_steps
         o = self.options
+        if isinstance(n_steps, bool) or not isinstance(n_steps, int) or n_steps < 1:
+            raise ValueError(f"n_steps must be an int >= 1, got {n_steps!r}")
         self.sizes = level_sizes(n_steps, o.cf, o.max_levels, o.min_coarse)
-        if o.max_levels > 1 and len(self.sizes) == 1 and n_steps // o.cf < 1:
-            raise ValueError(f"n_steps={n_steps} is too small for cf={o.cf}")
+        if o.max_levels > 1 and len(self.sizes) == 1:
+            raise ValueError(f"n_steps={n_steps} is too small for MGRIT with cf={o.cf} and "
+                             f"min_coarse={o.min_coarse} (no coarse level: need n_steps >= "
+                             f"{o.cf * o.min_coarse}); use max_levels=1 for sequential stepping")
 
     # ------------------------------------------------------------------------------ level ops
     def _phi(self, u, j, level):

@@ -51,6 +51,9 @@ def test_dense_kernels(backend, dtype, act, residual, rng):
     for a, r, n in zip(bk.dense_vjp(g, dr, x, W, h, residual),
                        REF.dense_vjp(g, dr, x, W, h, residual), ("gx", "gW", "gb")):
         assert_close(a, r, dtype, n)
+    for a, r, n in zip(bk.dense_vjp_params(g, dr, x, h), REF.dense_vjp_params(g, dr, x, h),
+                       ("gW", "gb")):
+        assert_close(a, r, dtype, n)
 
 
 @pytest.mark.parametrize("backend", FAST)
@@ -108,6 +111,9 @@ def test_conv_kernels(backend, dtype, act, residual, rng):
                  REF.conv_vjp_input(g, dr, K, h, residual), dtype, "vjp_input")
     for a, r, n in zip(bk.conv_vjp(g, dr, x, K, h, residual),
                        REF.conv_vjp(g, dr, x, K, h, residual), ("gx", "gK", "gb")):
+        assert_close(a, r, dtype, n)
+    for a, r, n in zip(bk.conv_vjp_params(g, dr, x, h), REF.conv_vjp_params(g, dr, x, h),
+                       ("gK", "gb")):
         assert_close(a, r, dtype, n)
 
 
@@ -172,4 +178,7 @@ def test_dense_kernels_wide_path(backend, dtype, act, rng):
                  dtype, "vjp_input")
     for a, r, n in zip(bk.dense_vjp(g, dr, x, W, h, False), REF.dense_vjp(g, dr, x, W, h, False),
                        ("gx", "gW", "gb")):
+        assert_close(a, r, dtype, n)
+    for a, r, n in zip(bk.dense_vjp_params(g, dr, x, h), REF.dense_vjp_params(g, dr, x, h),
+                       ("gW", "gb")):
         assert_close(a, r, dtype, n)

@@ -31,6 +31,9 @@ def test_step_kinds(backend, activation, kind, rng):
     def vjp(a, g):
         gu, gW, gb = step.vjp(a["weight"], a["bias"], a["u"], h, g, bk)
         assert np.allclose(gu, step.vjp_state(a["weight"], a["bias"], a["u"], h, g, bk))
+        d = step.deriv(a["weight"], a["bias"], a["u"], bk)
+        gW2, gb2 = step.vjp_params(a["u"], h, g, d, bk)
+        assert np.allclose(gW, gW2) and np.allclose(gb, gb2)
         return {"u": gu, "weight": gW, "bias": gb}
 
     res = gradcheck(fwd, vjp, inputs)
