@@ -43,6 +43,7 @@ def _train_parser(sub):
     g.add_argument("--bwd-iters", type=int, default=1, help="adjoint cycles (default 1)")
     g.add_argument("--fwd-tol", type=float, default=1e-10, help="forward abs. tolerance")
     g.add_argument("--bwd-tol", type=float, default=1e-10, help="adjoint abs. tolerance")
+    g.add_argument("--cycle", choices=["V", "F"], default="V", help="cycle type (default V)")
     g.add_argument("--min-coarse", type=int, default=2, help="least intervals on a coarse level")
     g.add_argument("--skip-downcycle", action="store_true",
                    help="cycle 0 is a cascadic initial guess (XBraid's skip)")
@@ -73,7 +74,8 @@ def _mgrit_options(args):
     except ValueError:
         raise ValueError(f"--nrelax must be a comma list of ints, got {args.nrelax!r}") from None
     common = dict(cf=args.cf, max_levels=args.levels, nrelax=nrelax,
-                  skip_downcycle=args.skip_downcycle, min_coarse=args.min_coarse)
+                  skip_downcycle=args.skip_downcycle, min_coarse=args.min_coarse,
+                  cycle=args.cycle)
     return (MGRITOptions(tol=args.fwd_tol, max_iter=args.fwd_iters, **common),
             MGRITOptions(tol=args.bwd_tol, max_iter=args.bwd_iters, **common))
 
@@ -119,7 +121,7 @@ def cmd_train(args):
         from .mgrit import level_sizes
         sizes = level_sizes(args.layers, args.cf, args.levels, args.min_coarse)
         log(f"MGRIT: levels {sizes} (intervals), cf {args.cf}, nrelax {args.nrelax}, "
-            f"{args.fwd_iters} forward / {args.bwd_iters} adjoint cycles, "
+            f"{args.fwd_iters} forward / {args.bwd_iters} adjoint {args.cycle}-cycles, "
             f"skip_downcycle {args.skip_downcycle}, warm start {args.warm_start}")
     tj = time.perf_counter()
     lp.loss_and_grad(xtr[:2], ds.y_train[:2])  # compile (or load cached) kernels before timing

@@ -165,11 +165,14 @@ def fit(lp, optimizer, x_train, y_train, x_test, y_test, *, epochs, batch_size, 
 
 
 def _stats_summary(stats):
+    """Last forward/adjoint MGRIT residual of the epoch's last batch (None: cycles ran but none
+    measured a residual, e.g. a single skipped down-cycle)."""
     out = {}
     for key in ("forward", "adjoint"):
-        res = stats.get(key, {}).get("residuals") or []
-        if res:
-            out[f"{key}_residual"] = res[-1]
+        st = stats.get(key, {})
+        if st.get("iterations"):
+            res = st.get("residuals") or []
+            out[f"{key}_residual"] = res[-1] if res else None
     return out
 
 
@@ -180,5 +183,6 @@ def format_epoch(rec, epochs):
          f"{rec['seconds']:7.1f} s")
     for key in ("forward_residual", "adjoint_residual"):
         if key in rec:
-            s += f"  {key.split('_')[0][:3]} res {rec[key]:.2e}"
+            val = "n/a" if rec[key] is None else f"{rec[key]:.2e}"
+            s += f"  {key.split('_')[0][:3]} res {val}"
     return s

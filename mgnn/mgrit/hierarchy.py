@@ -22,8 +22,8 @@ def intervals(n, cf):
         yield c, min(c + cf, n + 1)
 
 
-def cycle_work(sizes, cf, nrelax, skip=False):
-    """Propagator steps of one V-cycle (the cost model of :class:`MGRITSolver`).
+def cycle_work(sizes, cf, nrelax, skip=False, cycle="V", level=0):
+    """Propagator steps of one cycle (the cost model of :class:`MGRITSolver`).
 
     Parameters
     ----------
@@ -34,24 +34,27 @@ def cycle_work(sizes, cf, nrelax, skip=False):
         (C, F) sweeps after the first F on each level.
     skip : bool
         The cascadic cycle 0 of ``skip_downcycle`` (no relaxation, no FAS restriction).
+    cycle : {'V', 'F'}
+    level : int
+        Level the cycle starts on.
 
     Returns
     -------
     int
-        Steps per cycle: per level l below the coarsest, nrelax_l (F, C) sweeps of n_l steps, the
-        F-sweep of restriction (n_l - n_{l+1}), the C-point residuals (n_{l+1}) and the coarse FAS
-        right-hand side (n_{l+1} coarse steps); F-relaxation on the way up on levels 1..L-2; and
-        n_{L-1} steps of the coarsest solve. The final F-relaxation of a solve (n_0 - n_1) is not
-        included. One level: N steps.
+        Steps: on a level l below the coarsest, nrelax_l (F, C) sweeps of n_l steps, the F-sweep of
+        the restriction (n_l - n_{l+1}), the C-point residuals (n_{l+1}) and the coarse FAS
+        right-hand side (n_{l+1} coarse steps); the coarse cycle(s); the F-relaxation of level l+1
+        before its correction is injected (unless l+1 is the coarsest); n_{L-1} steps for the
+        coarsest solve. The final F-relaxation of a solve (n_0 - n_1) is not included.
     """
     L = len(sizes)
-    if L == 1:
-        return sizes[0]
-    work = sizes[-1]
-    for lev in range(L - 1):
-        n, nc = sizes[lev], sizes[lev + 1]
-        if not skip:
-            work += nrelax(lev) * n + (n - nc) + 2 * nc
-        if 0 < lev:
-            work += n - nc
+    if level == L - 1:
+        return sizes[level]
+    n, nc = sizes[level], sizes[level + 1]
+    work = 0 if skip else nrelax(level) * n + (n - nc) + 2 * nc
+    work += cycle_work(sizes, cf, nrelax, skip, cycle, level + 1)
+    if level + 1 < L - 1:
+        if cycle == "F":
+            work += cycle_work(sizes, cf, nrelax, False, "V", level + 1)
+        work += nc - sizes[level + 2]
     return work

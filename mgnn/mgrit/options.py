@@ -33,8 +33,8 @@ class MGRITOptions:
         XBraid's skip: cycle 0 is a cascadic initial guess without relaxation and without r_0.
     min_coarse : int
         A level is added only if it keeps at least this many intervals.
-    cycle : {'V'}
-        Cycle type.
+    cycle : {'V', 'F'}
+        Cycle type (an F-cycle gives each coarse problem an F-cycle and then a V-cycle).
     """
 
     cf: int = 2
@@ -62,8 +62,8 @@ class MGRITOptions:
         if not isinstance(self.skip_downcycle, bool):
             raise TypeError(f"MGRITOptions.skip_downcycle must be a bool, got "
                             f"{self.skip_downcycle!r}")
-        if self.cycle != "V":
-            raise ValueError(f"MGRITOptions.cycle must be 'V', got {self.cycle!r}")
+        if self.cycle not in ("V", "F"):
+            raise ValueError(f"MGRITOptions.cycle must be 'V' or 'F', got {self.cycle!r}")
 
     def nrelax_on(self, level):
         """Number of (C, F) sweeps after the first F on ``level``."""

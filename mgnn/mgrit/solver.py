@@ -116,6 +116,36 @@ class MGRITSolver:
             Gc[i] = r + V[i] - self._phi(V[i - 1], i - 1, level + 1)
         return V, Gc, r2
 
+    def _cycle(self, lev, U, G, kind, skip):
+        """One FAS cycle of the problem (U, G) on level ``lev``; U is updated in place.
+
+        'V': relax, restrict, V-cycle on lev+1, correct. 'F': the coarse problem gets an F-cycle
+        and then a V-cycle. On the way up, a coarse level (not the coarsest) is F-relaxed before
+        its correction is injected (XBraid's FInterp). ``skip``: the cascadic first descent.
+        Returns the squared residual norm of level ``lev`` measured in the restriction (None on
+        the coarsest level, which is solved exactly).
+        """
+        o = self.options
+        coarsest = len(self.sizes) - 1
+        if lev == coarsest:
+            for j in range(1, len(U)):
+                self._step_to(U, G, j, lev)
+            return None
+        if not skip:
+            for _ in range(o.nrelax_on(lev)):
+                self._f_relax(U, G, lev)
+                self._c_relax(U, G, lev)
+        V, Gc, r2 = self._restrict(U, G, lev, fas=not skip)
+        Uc = list(V)
+        self._cycle(lev + 1, Uc, Gc, kind, skip)
+        if lev + 1 < coarsest:
+            if kind == "F":
+                self._cycle(lev + 1, Uc, Gc, "V", False)
+            self._f_relax(Uc, Gc, lev + 1)
+        for i in range(1, len(Uc)):
+            U[o.cf * i] = U[o.cf * i] + (Uc[i] - V[i])
+        return r2
+
     # ----------------------------------------------------------------------------------- solve
     def solve(self, u0, initial_guess=None):
         """Solve u_{n+1} = Phi_n(u_n), n = 0..N-1, from ``u0``.
@@ -145,33 +175,14 @@ class MGRITSolver:
         result = MGRITResult()
         for k in range(o.max_iter):
             skip = o.skip_downcycle and k == 0
-            levels_U, levels_G, levels_V = [U], [None], []
-            for lev in range(L - 1):
-                Ul, Gl = levels_U[lev], levels_G[lev]
-                if not skip:
-                    for _ in range(o.nrelax_on(lev)):
-                        self._f_relax(Ul, Gl, lev)
-                        self._c_relax(Ul, Gl, lev)
-                V, Gc, r2 = self._restrict(Ul, Gl, lev, fas=not skip)
-                if lev == 0 and not skip:
-                    r = math.sqrt(r2)
-                    if not math.isfinite(r):
-                        raise DivergenceError(f"MGRIT diverged: residual {r} in cycle {k}")
-                    result.residuals.append(r)
-                levels_V.append(V)
-                levels_U.append(list(V))
-                levels_G.append(Gc)
-            Uc, Gc = levels_U[-1], levels_G[-1]
-            for j in range(1, len(Uc)):
-                self._step_to(Uc, Gc, j, L - 1)
-            for lev in range(L - 2, -1, -1):
-                Uf, Uc, V = levels_U[lev], levels_U[lev + 1], levels_V[lev]
-                if lev + 1 < L - 1:
-                    self._f_relax(Uc, levels_G[lev + 1], lev + 1)
-                for i in range(1, len(Uc)):
-                    Uf[o.cf * i] = Uf[o.cf * i] + (Uc[i] - V[i])
+            r2 = self._cycle(0, U, None, o.cycle, skip)
+            if not skip:
+                r = math.sqrt(r2)
+                if not math.isfinite(r):
+                    raise DivergenceError(f"MGRIT diverged: residual {r} in cycle {k}")
+                result.residuals.append(r)
             result.iterations = k + 1
-            if result.residuals and not skip and result.residuals[-1] < o.tol:
+            if not skip and result.residuals[-1] < o.tol:
                 break
         self._f_relax(U, None, 0)
         result.final, result.states = U[N], U

@@ -32,8 +32,7 @@ def test_converged_mgrit_equals_serial_backprop(kind, levels, cf, n, rng):
     x, y = _data(kind, rng)
     serial = mgnn.LayerParallel(m, backend="numpy")
     loss0, g0 = serial.loss_and_grad(x, y)
-    if level_sizes(n, cf, levels, 2)[-1] < 2:
-        pytest.skip("hierarchy collapses")
+    assert len(level_sizes(n, cf, levels, 2)) == levels  # every case really has `levels` levels
     opts = MGRITOptions(cf=cf, max_levels=levels, nrelax=[0, 1], tol=1e-13, max_iter=80)
     lp = mgnn.LayerParallel(m, fwd=opts, bwd=opts, backend="numba")
     loss, g = lp.loss_and_grad(x, y)
@@ -70,7 +69,8 @@ def test_states_and_adjoints_equal_serial(rng):
 def test_inexact_adjoint_improves_with_cycles(rng):
     """Exact forward, 1..4 adjoint cycles (3 levels, cf 2, F then FCF): the gradient error against
     serial backpropagation falls at every added cycle. Measured (N = 32, this seed): about
-    8e-2, 1e-2, 2e-3, 3e-4 relative error; the test asserts each is below 2x that and decreasing."""
+    9.8e-2, 1.9e-2, 1.4e-3, 8.7e-5 relative error (2-norm over all parameters); the test asserts
+    each within a factor 2 of that, so a change in the adjoint solver's behaviour shows up."""
     m = _model("dense", 32)
     x, y = _data("dense", rng, batch=6)
     _, g0 = mgnn.LayerParallel(m, backend="numpy").loss_and_grad(x, y)
@@ -79,8 +79,9 @@ def test_inexact_adjoint_improves_with_cycles(rng):
         bwd = MGRITOptions(cf=2, max_levels=3, nrelax=[0, 1], tol=0.0, max_iter=cycles)
         _, g = mgnn.LayerParallel(m, bwd=bwd, backend="numba").loss_and_grad(x, y)
         errs.append(np.linalg.norm(g.flat - g0.flat) / np.linalg.norm(g0.flat))
+    measured = [9.8e-2, 1.9e-2, 1.4e-3, 8.7e-5]
     assert all(b < 0.5 * a for a, b in zip(errs, errs[1:])), errs
-    assert errs[0] < 0.2 and errs[-1] < 1e-2, errs
+    assert all(0.5 * m < e < 2 * m for e, m in zip(errs, measured)), errs
 
 
 def test_warm_start_reuses_previous_states(rng):
@@ -102,7 +103,8 @@ def test_warm_start_reuses_previous_states(rng):
 
 @pytest.mark.parametrize("levels, cf, nrelax, skip", [(3, 4, [0, 1], False), (2, 2, 1, False),
                                                       (4, 2, [0, 1, 2], True), (1, 2, 0, False)])
-def test_cycle_work_model_counts_every_step(levels, cf, nrelax, skip, rng):
+@pytest.mark.parametrize("cycle", ["V", "F"])
+def test_cycle_work_model_counts_every_step(levels, cf, nrelax, skip, cycle, rng):
     calls = []
 
     class Count(Dahlquist):
@@ -112,14 +114,14 @@ def test_cycle_work_model_counts_every_step(levels, cf, nrelax, skip, rng):
 
     n = 67
     opts = MGRITOptions(cf=cf, max_levels=levels, nrelax=nrelax, tol=0.0, max_iter=3,
-                        skip_downcycle=skip)
+                        skip_downcycle=skip, cycle=cycle)
     MGRITSolver(Count(-1.0, 0.01, "BE"), n, opts).solve(np.array([1.0]))
     sizes = level_sizes(n, cf, levels, 2)
     if len(sizes) == 1:
         assert len(calls) == n
         return
-    want = (cycle_work(sizes, cf, opts.nrelax_on, skip=skip)
-            + 2 * cycle_work(sizes, cf, opts.nrelax_on) + sizes[0] - sizes[1])
+    want = (cycle_work(sizes, cf, opts.nrelax_on, skip=skip, cycle=cycle)
+            + 2 * cycle_work(sizes, cf, opts.nrelax_on, cycle=cycle) + sizes[0] - sizes[1])
     assert len(calls) == want
 
 

@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from mgnn.mgrit import DivergenceError, MGRITOptions, MGRITSolver, level_sizes
+from mgnn.mgrit import DivergenceError, MGRITOptions, MGRITSolver, intervals, level_sizes
 from tests.conftest import SHARED
 
 REF = os.path.join(SHARED, "reference", "mgrit")
@@ -111,14 +111,33 @@ def test_two_level_exact_after_nc_or_half_nc_cycles(n, cf, nrelax, rng):
 
 
 @pytest.mark.parametrize("levels, cf, n", [(3, 2, 37), (4, 2, 64), (3, 4, 70)])
-def test_multilevel_converges_to_serial(levels, cf, n, rng):
+@pytest.mark.parametrize("cycle", ["V", "F"])
+def test_multilevel_converges_to_serial(levels, cf, n, cycle, rng):
     prop = TanhResNet(rng.standard_normal((n, 4, 4)) * 0.5, rng.standard_normal((n, 4)), 1.0 / n)
     u0 = rng.standard_normal(4)
-    res = MGRITSolver(prop, n, MGRITOptions(cf=cf, max_levels=levels, tol=1e-13,
-                                            max_iter=50)).solve(u0)
+    res = MGRITSolver(prop, n, MGRITOptions(cf=cf, max_levels=levels, tol=1e-13, max_iter=50,
+                                            cycle=cycle)).solve(u0)
     assert res.residuals[-1] < 1e-13 and res.iterations < 50
     for a, b in zip(res.states, _serial(prop, n, u0)):
         np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("lam, v_its, f_its", [(-1.0, 11, 7), (-10.0, 20, 11)])
+def test_f_cycle_converges_faster_than_v_cycle(lam, v_its, f_its):
+    """Six levels, F-relaxation, N = 128: F-cycles need far fewer cycles (measured counts)."""
+    its = {}
+    for cycle in "VF":
+        opts = MGRITOptions(cf=2, max_levels=6, nrelax=0, tol=1e-10, max_iter=80, cycle=cycle)
+        res = MGRITSolver(Dahlquist(lam, 0.05, "BE"), 128, opts).solve(np.array([1.0]))
+        assert res.residuals[-1] < 1e-10
+        its[cycle] = res.iterations
+    assert its == {"V": v_its, "F": f_its}
+
+
+def test_intervals_and_c_points():
+    assert list(intervals(10, 4)) == [(0, 4), (4, 8), (8, 11)]
+    assert list(intervals(8, 4)) == [(0, 4), (4, 8), (8, 9)]
+    assert list(intervals(3, 2)) == [(0, 2), (2, 4)]
 
 
 def test_level_sizes():
