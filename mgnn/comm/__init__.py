@@ -1,1 +1,7 @@
-"""The only place that calls mpi4py: layout, halo exchange, device staging (to come)."""
+"""The only place that calls mpi4py: communicator layout, typed halo messages, reductions,
+failure handling and per-phase timers. Serial runs (``comm=None``) never import mpi4py.
+"""
+from .halo import Halo, SerialHalo, make_halo
+from .layout import Layout, abort_on_error
+
+__all__ = ["Halo", "SerialHalo", "make_halo", "Layout", "abort_on_error"]

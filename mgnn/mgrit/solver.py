@@ -1,15 +1,30 @@
-"""Multilevel FAS MGRIT over a propagator (XBraid's definitions; DESIGN.md section 2).
+"""Multilevel FAS MGRIT over a propagator (XBraid's definitions; DESIGN.md section 2), serial or
+distributed over the ranks of a communicator.
 
-The solver only calls ``propagator.step(u, start, stop, level)`` (state at fine index ``stop``
-from ``u`` at fine index ``start``) and array arithmetic (``+``, ``-``, ``*``, ``sum``), so it works
-for any array state (numpy now) and any time stepper.
+The solver only calls ``propagator.step(u, start, stop, level)`` (state at fine index ``stop`` from
+``u`` at fine index ``start``) and array arithmetic (``+``, ``-``, ``*``, ``sum``), so it works for
+any array state and any time stepper.
+
+Distribution (DESIGN.md section 3): fine indices are block-distributed (:mod:`.partition`); every
+level's relaxation, restriction, correction and residual run on the points each rank owns. Where a
+sweep crosses a rank boundary the left rank sends one boundary value to the right: the step result
+``Phi(u_last)`` for a *push* propagator (the default: the owner of fine index i computes the step
+out of i, so layer i's parameters never move), or the state ``u_last`` itself for a *pull*
+propagator (attribute ``pull = True``: the receiver computes the step into its first point; the
+adjoint of a network uses this). Receives are posted first, the boundary chain is computed and
+sent first, interior work overlaps the messages, and the halo is waited for only where it is needed.
+The coarsest level is solved sequentially across ranks.
 """
 import math
+import time
 from dataclasses import dataclass, field
 
+from ..comm import abort_on_error, make_halo
+from ..comm.halo import tag
 from ..errors import MGNNError
-from .hierarchy import intervals, level_sizes
+from .hierarchy import level_sizes
 from .options import MGRITOptions
+from .partition import Partition, block_starts
 
 
 class DivergenceError(MGNNError, FloatingPointError):
@@ -20,16 +35,18 @@ class DivergenceError(MGNNError, FloatingPointError):
 class MGRITResult:
     """Outcome of :meth:`MGRITSolver.solve`.
 
-    residuals : list of float  -- XBraid's r_k (level-0 C-points, t = 0 excluded)
+    residuals : list of float  -- XBraid's r_k (level-0 C-points, t = 0 excluded), on every rank
     iterations : int           -- cycles performed
-    final : array              -- state at fine index N
-    states : list of arrays    -- states at every fine index 0..N (level 0)
+    final : array or None      -- state at fine index N (on the rank owning it; None elsewhere)
+    states : list              -- length N+1: this rank's states at their fine indices, None elsewhere
+    timings : dict             -- seconds in steps, halo waits, allreduce, and in total
     """
 
     residuals: list = field(default_factory=list)
     iterations: int = 0
     final: object = None
     states: list = None
+    timings: dict = field(default_factory=dict)
 
 
 def _norm2(a):
@@ -39,31 +56,44 @@ def _norm2(a):
     return float((a * a).sum())
 
 
+class _Level:
+    """This rank's share of one level: points [a, b) of 0..n (point j is fine index j * s)."""
+
+    def __init__(self, index, n, s, partition, rank):
+        self.index, self.n, self.s = index, n, s
+        self.a, self.b = partition.level_range(rank, s, n)
+        nonempty = self.a < self.b
+        self.left = partition.owner((self.a - 1) * s) if nonempty and self.a >= 1 else None
+        self.right = partition.owner(self.b * s) if nonempty and self.b <= n else None
+
+
 class MGRITSolver:
-    """FAS MGRIT V-cycles over ``propagator`` for ``n_steps`` fine steps.
+    """FAS MGRIT cycles over ``propagator`` for ``n_steps`` fine steps.
 
     Parameters
     ----------
-    propagator : object with ``step(u, start, stop, level)``
+    propagator : object with ``step(u, start, stop, level)``; optional attribute ``pull`` (bool)
     n_steps : int
         N (fine indices 0..N).
     options : MGRITOptions
-    comm : None
-        Serial solve (distributed solves come with the MPI layer).
+    comm : mpi4py communicator or None
+        The ranks that share the layers (None or size 1: serial). Every rank calls :meth:`solve`.
+    partition : Partition or None
+        Which rank holds which fine indices; default: blocks over the ranks of ``comm`` in rank
+        order, each starting on a level-0 C-point.
+    abort_on_error : bool
+        In a distributed solve, an exception on any rank (a user propagator's included) is
+        reported and ends every rank with ``comm.Abort`` instead of leaving the others waiting.
     """
 
-    def __init__(self, propagator, n_steps, options=None, comm=None):
+    def __init__(self, propagator, n_steps, options=None, comm=None, partition=None,
+                 abort_on_error=True):
         if not callable(getattr(propagator, "step", None)):
             raise TypeError(f"propagator {type(propagator).__name__} has no step(u, start, stop, "
                             "level) method")
         self.options = options if options is not None else MGRITOptions()
         if not isinstance(self.options, MGRITOptions):
             raise TypeError(f"options must be MGRITOptions, got {type(self.options).__name__}")
-        if comm is not None and getattr(comm, "Get_size", lambda: 1)() != 1:
-            raise ValueError(f"comm of size {comm.Get_size()}: distributed MGRIT is not available "
-                             "yet; pass None")
-        self.prop = propagator
-        self.n_steps = n_steps
         o = self.options
         if isinstance(n_steps, bool) or not isinstance(n_steps, int) or n_steps < 1:
             raise ValueError(f"n_steps must be an int >= 1, got {n_steps!r}")
@@ -72,48 +102,145 @@ class MGRITSolver:
             raise ValueError(f"n_steps={n_steps} is too small for MGRIT with cf={o.cf} and "
                              f"min_coarse={o.min_coarse} (no coarse level: need n_steps >= "
                              f"{o.cf * o.min_coarse}); use max_levels=1 for sequential stepping")
+        self.prop, self.n_steps, self.comm = propagator, n_steps, comm
+        self.pull = bool(getattr(propagator, "pull", False))
+        self.halo = make_halo(comm)
+        if partition is None:
+            starts = block_starts(n_steps + 1, self.halo.size, align=o.cf)
+            partition = Partition(n_steps, tuple(starts), tuple(range(self.halo.size)))
+        if partition.n_steps != n_steps or sorted(partition.ranks) != list(range(self.halo.size)):
+            raise ValueError(f"partition {partition} does not fit n_steps={n_steps} on "
+                             f"{self.halo.size} ranks")
+        self.partition = partition
+        self.abort = abort_on_error
+        self.levels = [_Level(lev, n, o.cf ** lev, partition, self.halo.rank)
+                       for lev, n in enumerate(self.sizes)]
+        self._step_seconds = 0.0
 
-    # ------------------------------------------------------------------------------ level ops
-    def _phi(self, u, j, level):
-        s = self.options.cf ** level
-        return self.prop.step(u, j * s, (j + 1) * s, level)
+    # ---------------------------------------------------------------------------- primitives
+    def _phi(self, u, j, lev):
+        """Step out of level point j (fine index j s) to point j+1."""
+        s = self.levels[lev].s
+        t0 = time.perf_counter()
+        out = self.prop.step(u, j * s, (j + 1) * s, lev)
+        self._step_seconds += time.perf_counter() - t0
+        return out
 
-    def _step_to(self, U, G, j, level):
-        """U[j] = Phi(U[j-1]) + G[j]."""
-        v = self._phi(U[j - 1], j - 1, level)
-        U[j] = v if G is None else v + G[j]
+    def _boundary_value(self, U, lev):
+        """What the right neighbour receives: Phi(u_{b-1}) (push) or u_{b-1} (pull)."""
+        b = self.levels[lev].b
+        return U[b - 1] if self.pull else self._phi(U[b - 1], b - 1, lev)
 
-    def _f_relax(self, U, G, level):
-        for c, stop in intervals(len(U) - 1, self.options.cf):
-            for j in range(c + 1, stop):
-                self._step_to(U, G, j, level)
+    def _from_left(self, msg, lev):
+        """Phi(u_{a-1}) from the left neighbour's message."""
+        a = self.levels[lev].a
+        return self._phi(msg, a - 1, lev) if self.pull else msg
 
-    def _c_relax(self, U, G, level):
-        for c in range(self.options.cf, len(U), self.options.cf):
-            self._step_to(U, G, c, level)
+    def _update(self, lev, U, G, target, name):
+        """u_j = Phi(u_{j-1}) + g_j for this rank's points j >= 1 with ``target(j)``, ascending.
 
-    def _restrict(self, U, G, level, fas=True):
-        """F-relax ``level``, then its C-point residuals, injection and the FAS rhs of level+1.
+        Consecutive targets form chains; the chain that needs the left halo is computed last,
+        the chain that feeds the right neighbour first (then its value is sent), interior chains
+        in between, overlapping both messages.
+        """
+        L, halo = self.levels[lev], self.halo
+        a, b, n = L.a, L.b, L.n
+        if a >= b:
+            return
+        t = tag(name, lev)
+        need_left = a >= 1 and target(a)
+        send_right = b <= n and target(b)
+        recv = halo.irecv(self._template, L.left, t) if need_left else None
+        head = []  # targets that depend on the left halo
+        j = a
+        while need_left and j < b and target(j):
+            head.append(j)
+            j += 1
+        done = set(head)
+        sends = []
 
-        Returns (V, G_coarse, r2) with V the injected states, r2 the squared residual norm.
-        ``fas=False`` (the skipped down-cycle) injects only: the coarse problem is the plain coarse
-        rediscretisation (zero rhs), solved from the injected guess (a cascadic initial guess).
+        def step_to(j):
+            v = self._phi(U[j - 1], j - 1, lev)
+            U[j] = v if G is None else v + G[j]
+
+        tail = []
+        if send_right and (b - 1) not in done:
+            j = b - 1
+            while j >= max(a, 1) and target(j) and j not in done:
+                tail.append(j)
+                j -= 1
+            for j in reversed(tail):
+                step_to(j)
+            done.update(tail)
+            sends.append(halo.isend(self._boundary_value(U, lev), L.right, t))
+        for j in range(max(a, 1), b):
+            if target(j) and j not in done:
+                step_to(j)
+        if head:
+            phi = self._from_left(halo.wait(recv), lev)
+            U[a] = phi if G is None else phi + G[a]
+            for j in head[1:]:
+                step_to(j)
+        if send_right and not sends:
+            sends.append(halo.isend(self._boundary_value(U, lev), L.right, t))
+        for s in sends:
+            halo.wait(s)
+
+    def _phis(self, lev, U, target, name):
+        """{j: Phi(u_{j-1})} for this rank's points j >= 1 with ``target(j)`` (no update)."""
+        L, halo = self.levels[lev], self.halo
+        a, b, n = L.a, L.b, L.n
+        out = {}
+        if a >= b:
+            return out
+        t = tag(name, lev)
+        recv = halo.irecv(self._template, L.left, t) if a >= 1 and target(a) else None
+        send = (halo.isend(self._boundary_value(U, lev), L.right, t)
+                if b <= n and target(b) else None)
+        for j in range(max(a + 1, 1), b):
+            if target(j):
+                out[j] = self._phi(U[j - 1], j - 1, lev)
+        if recv is not None:
+            out[a] = self._from_left(halo.wait(recv), lev)
+        if send is not None:
+            halo.wait(send)
+        return out
+
+    def _f_relax(self, U, G, lev, name="f_relax"):
+        cf = self.options.cf
+        self._update(lev, U, G, lambda j: j % cf != 0, name)
+
+    def _c_relax(self, U, G, lev):
+        cf = self.options.cf
+        self._update(lev, U, G, lambda j: j % cf == 0, "c_relax")
+
+    def _restrict(self, U, G, lev, fas=True):
+        """F-relax ``lev``, its C-point residuals, injection and the FAS rhs of level+1.
+
+        Returns (V, G_coarse, r2): V the injected states (this rank's coarse points), r2 this
+        rank's share of the squared residual norm. ``fas=False`` (the skipped down-cycle) injects
+        only: the coarse problem is the plain coarse rediscretisation (a cascadic initial guess).
         """
         cf = self.options.cf
-        nc = (len(U) - 1) // cf
-        V = [U[cf * i] for i in range(nc + 1)]
+        C = self.levels[lev + 1]
+        V = [None] * (C.n + 1)
+        for i in range(C.a, C.b):
+            V[i] = U[cf * i]
         if not fas:
             return V, None, 0.0
-        self._f_relax(U, G, level)
-        Gc = [None] * (nc + 1)
-        r2 = 0.0
-        for i in range(1, nc + 1):
-            c = cf * i
-            r = self._phi(U[c - 1], c - 1, level) - U[c]
+        self._f_relax(U, G, lev)
+        phis = self._phis(lev, U, lambda j: j % cf == 0, "residual")
+        R, r2 = {}, 0.0
+        for c, phi in phis.items():
+            r = phi - U[c]
             if G is not None:
                 r = r + G[c]
             r2 += _norm2(r)
-            Gc[i] = r + V[i] - self._phi(V[i - 1], i - 1, level + 1)
+            R[c // cf] = r
+        coarse_phis = self._phis(lev + 1, V, lambda i: True, "fas_rhs")
+        Gc = [None] * (C.n + 1)
+        for i, phi in coarse_phis.items():
+            Gc[i] = R[i] + V[i] - phi
         return V, Gc, r2
 
     def _cycle(self, lev, U, G, kind, skip):
@@ -122,14 +249,13 @@ class MGRITSolver:
         'V': relax, restrict, V-cycle on lev+1, correct. 'F': the coarse problem gets an F-cycle
         and then a V-cycle. On the way up, a coarse level (not the coarsest) is F-relaxed before
         its correction is injected (XBraid's FInterp). ``skip``: the cascadic first descent.
-        Returns the squared residual norm of level ``lev`` measured in the restriction (None on
-        the coarsest level, which is solved exactly).
+        Returns this rank's share of the squared residual norm of level ``lev`` (None on the
+        coarsest level, which is solved exactly).
         """
         o = self.options
         coarsest = len(self.sizes) - 1
         if lev == coarsest:
-            for j in range(1, len(U)):
-                self._step_to(U, G, j, lev)
+            self._update(lev, U, G, lambda j: True, "coarsest")
             return None
         if not skip:
             for _ in range(o.nrelax_on(lev)):
@@ -142,7 +268,8 @@ class MGRITSolver:
             if kind == "F":
                 self._cycle(lev + 1, Uc, Gc, "V", False)
             self._f_relax(Uc, Gc, lev + 1)
-        for i in range(1, len(Uc)):
+        C = self.levels[lev + 1]
+        for i in range(max(C.a, 1), C.b):
             U[o.cf * i] = U[o.cf * i] + (Uc[i] - V[i])
         return r2
 
@@ -153,37 +280,50 @@ class MGRITSolver:
         Parameters
         ----------
         u0 : array
-            State at fine index 0.
+            State at fine index 0. Every rank passes an array of the state's shape and dtype
+            (only the owner's values are used; others may pass zeros).
         initial_guess : None or callable
-            ``i -> state`` at the level-0 C-points i > 0 (default: zeros).
+            ``i -> state`` at the level-0 C-points i > 0 this rank owns (default: zeros).
 
         Returns
         -------
         MGRITResult
         """
-        o = self.options
-        L = len(self.sizes)
-        N = self.n_steps
+        with abort_on_error(self.comm if self.abort else None, "mgnn MGRIT"):
+            return self._solve(u0, initial_guess)
+
+    def _solve(self, u0, initial_guess):
+        t_start = time.perf_counter()
+        self._step_seconds = 0.0
+        self.halo.timers.update(halo_wait=0.0, allreduce=0.0)
+        o, N = self.options, self.n_steps
+        self._template = u0
+        L0 = self.levels[0]
         U = [None] * (N + 1)
-        U[0] = u0
-        for c in range(o.cf, N + 1, o.cf):
-            U[c] = initial_guess(c) if initial_guess is not None else u0 * 0
-        if L == 1:
-            for j in range(1, N + 1):
-                self._step_to(U, None, j, 0)
-            return MGRITResult([], 1, U[N], U)
+        for c in range(-(-L0.a // o.cf) * o.cf, L0.b, o.cf):
+            if c == 0:
+                U[0] = u0
+            else:
+                U[c] = initial_guess(c) if initial_guess is not None else u0 * 0
         result = MGRITResult()
-        for k in range(o.max_iter):
-            skip = o.skip_downcycle and k == 0
-            r2 = self._cycle(0, U, None, o.cycle, skip)
-            if not skip:
-                r = math.sqrt(r2)
-                if not math.isfinite(r):
-                    raise DivergenceError(f"MGRIT diverged: residual {r} in cycle {k}")
-                result.residuals.append(r)
-            result.iterations = k + 1
-            if not skip and result.residuals[-1] < o.tol:
-                break
-        self._f_relax(U, None, 0)
-        result.final, result.states = U[N], U
+        if len(self.sizes) == 1:
+            self._update(0, U, None, lambda j: True, "coarsest")
+            result.iterations = 1
+        else:
+            for k in range(o.max_iter):
+                skip = o.skip_downcycle and k == 0
+                r2 = self._cycle(0, U, None, o.cycle, skip)
+                if not skip:
+                    r = math.sqrt(self.halo.allreduce_sum(r2))
+                    if not math.isfinite(r):
+                        raise DivergenceError(f"MGRIT diverged: residual {r} in cycle {k}")
+                    result.residuals.append(r)
+                result.iterations = k + 1
+                if not skip and result.residuals[-1] < o.tol:
+                    break
+            self._f_relax(U, None, 0, "final")
+        result.final = U[N] if L0.a <= N < L0.b else None
+        result.states = U
+        total = time.perf_counter() - t_start
+        result.timings = {"steps": self._step_seconds, "total": total, **self.halo.timers}
         return result
