@@ -9,7 +9,10 @@ import numbers
 import numpy as np
 
 from .backend import check_dtype, get_backend
-from .mgrit import MGRITOptions, MGRITSolver
+from .comm import Layout, abort_on_error, agree_on_errors
+from .comm.halo import tag
+from .mgrit import MGRITOptions, MGRITSolver, hierarchy
+from .mgrit.partition import Partition, block_starts
 from .blocks import (ConvOpening, ConvStep, DenseClosing, DenseOpening, DenseStep, PoolClosing,
                      SoftmaxCrossEntropy)
 from .params import ParamDict
@@ -198,7 +201,14 @@ class AdjointPropagator:
     vjp of the (coarse) forward step out of n = N - stop with step size (stop - start) h, at the
     stored forward state u_n, with sigma'(z_n) ``derivs[n]`` (the same on every level: z_n does not
     depend on the step size).
+
+    It is a *pull* propagator: the step into reversed index m+s needs layer N-m-s and the state
+    u_{N-m-s}, which live on the rank owning forward index N-m-s = the rank owning reversed point
+    m+s under the mirrored partition, so across a rank boundary the adjoint state is sent, not
+    the parameters.
     """
+
+    pull = True
 
     def __init__(self, model, states, derivs, bk):
         self.kind, self.bk = model.step, bk
@@ -216,17 +226,25 @@ class AdjointPropagator:
 
 
 class LayerParallel:
-    """Forward and adjoint propagation of a model, with the loss and its gradient.
+    """Forward and adjoint propagation of a model, with the loss and its gradient; serial or
+    distributed over layer ranks x data replicas.
 
     Parameters
     ----------
     model : Model
+        Every rank holds the whole parameter buffer; a rank computes with (and gets gradients
+        for) only the layers it owns, the first layer rank also the opening layer, the last layer
+        rank the closing layer and the loss.
     fwd, bwd : MGRITOptions or None
         MGRIT options of the forward and the adjoint solve; ``None`` propagates layer after layer
-        (exact). Training usually uses a fixed small cycle count (e.g. ``max_iter`` 2 and 1), so
-        gradients are inexact: :attr:`stats` reports both residual histories of every call.
-    comm : None
-        Communicator; ``None`` (serial) is what this version supports.
+        (exact; across ranks a sequential hand-off). Training usually uses a fixed small cycle
+        count (e.g. ``max_iter`` 2 and 1), so gradients are inexact: :attr:`stats` reports both
+        residual histories of every call.
+    comm : mpi4py communicator or None
+        The user's communicator (None: serial). Its size must be layer ranks x ``data_ranks``.
+    data_ranks : int
+        Data-parallel replicas D; each passes its own shard to :meth:`loss_and_grad` and the
+        result is the loss and gradient of the global batch.
     backend : {'numba', 'numpy'}
     warm_start : bool
         Start the forward solve from the previous call's states (same batch size), as TorchBraid
@@ -235,27 +253,64 @@ class LayerParallel:
     Attributes
     ----------
     stats : dict
-        ``{'forward': {'residuals': [...], 'iterations': k}, 'adjoint': {...}}`` of the last call.
+        ``{'forward': {'residuals', 'iterations'}, 'adjoint': {...}, 'timings': {...}}`` of the
+        last call.
+    replica : int
+        This rank's data replica 0..D-1 (which shard it reads).
+    layout : Layout
     """
 
-    def __init__(self, model, fwd=None, bwd=None, comm=None, backend="numba", warm_start=False):
+    def __init__(self, model, fwd=None, bwd=None, comm=None, backend="numba", warm_start=False,
+                 data_ranks=1):
         if not isinstance(model, Model):
             raise TypeError(f"model must be an mgnn Model, got {type(model).__name__}")
         for name, opt in (("fwd", fwd), ("bwd", bwd)):
             if opt is not None and not isinstance(opt, MGRITOptions):
                 raise TypeError(f"{name} must be MGRITOptions or None, got {type(opt).__name__}")
-            if opt is not None:  # validates the hierarchy against N before any kernel runs
-                MGRITSolver(ForwardPropagator(model, None), model.n_layers, opt)
-        if comm is not None and getattr(comm, "Get_size", lambda: 1)() != 1:
-            raise ValueError(f"comm of size {comm.Get_size()} is not supported yet; pass None")
         if not isinstance(warm_start, bool):
             raise TypeError(f"warm_start must be a bool, got {warm_start!r}")
+        if comm is not None and not callable(getattr(comm, "Get_size", None)):
+            raise TypeError(f"comm must be an mpi4py communicator or None, got "
+                            f"{type(comm).__name__}")
+        self.layout = Layout(comm, data_ranks)
         self.model = model
         self.fwd, self.bwd, self.warm_start = fwd, bwd, warm_start
         self.backend = backend
         self.bk = get_backend(backend)
+        N, P = model.n_layers, self.layout.layer_size
+        align = fwd.cf if fwd is not None else 1
+        self.partition = Partition(N, tuple(block_starts(N + 1, P, align)), tuple(range(P)))
+        self.adjoint_partition = self.partition.mirrored()
+        self._serial_opts = MGRITOptions(max_levels=1)
+        for opt in (fwd, bwd):  # validates the hierarchy against N before any kernel runs
+            if opt is not None:
+                hierarchy(N, opt)
+        lo, hi = self.partition.fine_range(self.layout.layer_rank)
+        self.layers = range(lo, min(hi, N))
+        self.owned = self._owned_mask()
         self.stats = {}
         self._previous_states = None
+
+    @property
+    def replica(self):
+        """Index 0..D-1 of this rank's data replica."""
+        return self.layout.replica
+
+    @property
+    def distributed(self):
+        """More than one rank takes part."""
+        return self.layout.size > 1
+
+    def _owned_mask(self):
+        mask = self.model.params.zeros_like()
+        lay = self.layout
+        for k, v in mask.items():
+            group = k.split(".")[0]
+            if group == "steps":
+                v[self.layers.start:self.layers.stop] = 1
+            elif (group == "opening" and lay.first) or (group == "closing" and lay.last):
+                v[...] = 1
+        return mask.flat.astype(bool)
 
     # ------------------------------------------------------------------------------ validation
     def _check_x(self, x):
@@ -319,72 +374,218 @@ class LayerParallel:
                       "adjoint": {"residuals": [], "iterations": 0}}
         return loss, grads
 
+    def _validated(self, x, y=None):
+        """Checked (x, y); in a distributed run every rank raises if any rank's input is bad."""
+        err = None
+        try:
+            x = self._check_x(x)
+            if y is not None:
+                y = self._check_y(y, x.shape[0])
+        except (ValueError, TypeError) as exc:
+            err = exc
+        agree_on_errors(self.layout.comm, err)
+        return x, y
+
+    def _solver(self, prop, opts, partition):
+        lay = self.layout
+        return MGRITSolver(prop, self.model.n_layers, opts, comm=lay.layer_comm,
+                           partition=partition, norm_comm=lay.comm, abort_on_error=False)
+
+    def _distributed_forward(self, x, opts, guess=None):
+        """(MGRITResult of the forward solve, opening's sigma' or None): states on their owners."""
+        m, bk, lay = self.model, self.bk, self.layout
+        if lay.first:
+            u0, d_open = m.opening.forward(m.group("opening"), x, bk)
+        else:
+            u0, d_open = np.zeros(m.step.state_shape(x.shape[0]), dtype=m.dtype), None
+        res = self._solver(ForwardPropagator(m, bk), opts, self.partition).solve(u0, guess)
+        return res, d_open
+
     def logits(self, x):
-        """Logits (B, K) of the model's dtype for inputs x (B, ...), by exact serial forward
-        propagation (the network's function, whatever the training solver options)."""
-        return self._forward(self._check_x(x), store=False)[0]
+        """Logits (B, K) of the model's dtype for inputs x (B, ...), by exact forward propagation
+        (the network's function, whatever the training solver options); on every layer rank."""
+        x, _ = self._validated(x)
+        lay = self.layout
+        if lay.layer_size == 1:
+            return self._forward(x, store=False)[0]
+        with abort_on_error(lay.comm, "mgnn"):
+            res, _ = self._distributed_forward(x, self._serial_opts)
+            logits = None
+            if lay.last:
+                logits = self.model.closing.forward(self.model.group("closing"), res.final,
+                                                    self.bk)[0]
+            return lay.layer_comm.bcast(logits, root=lay.layer_size - 1)
 
     def predict(self, x):
         """Predicted class indices (B,) int64 for inputs x (B, ...)."""
         return np.argmax(self.logits(x), axis=1)
 
     def loss_and_grad(self, x, y):
-        """Mean softmax cross-entropy of the batch and its gradient.
+        """Mean softmax cross-entropy of the (global) batch and its gradient.
 
         Parameters
         ----------
-        x : ndarray (B, ...) of the model's dtype
+        x : ndarray (B, ...) of the model's dtype -- this replica's shard
         y : ndarray (B,) of integers in [0, K)
 
         Returns
         -------
         loss : float
+            Of the global batch (all replicas' samples), on every rank.
         grads : ParamDict
-            Same names and shapes as ``model.params`` (a new buffer each call).
+            Same names and shapes as ``model.params`` (a new buffer each call); in a distributed
+            run only the entries of this rank's layers are set (others are zero), summed over the
+            replicas. :meth:`gather` assembles every entry on every rank.
         """
-        x = self._check_x(x)
-        y = self._check_y(y, x.shape[0])
-        m, bk = self.model, self.bk
-        if self.fwd is None and self.bwd is None:
+        x, y = self._validated(x, y)
+        lay = self.layout
+        if lay.size == 1 and self.fwd is None and self.bwd is None:
             return self._serial_loss_and_grad(x, y)
-        steps = m.group("steps")
-        W, b = steps["weight"], steps["bias"]
-        u0, d_open = m.opening.forward(m.group("opening"), x, bk)
+        with abort_on_error(lay.comm, "mgnn"):
+            return self._general_loss_and_grad(x, y)
+
+    def _general_loss_and_grad(self, x, y):
+        import time
+        t_start = time.perf_counter()
+        m, bk, lay = self.model, self.bk, self.layout
+        N = m.n_layers
+        timings = {"steps": 0.0, "halo_wait": 0.0, "allreduce": 0.0}
+
+        def add(res):
+            for k in timings:
+                timings[k] += res.timings.get(k, 0.0)
+
+        batch = x.shape[0]
+        total_batch = batch if lay.data_comm is None else lay.data_comm.allreduce(batch)
+        scale = m.dtype.type(batch / total_batch)
         stats = {"forward": {"residuals": [], "iterations": 0},
                  "adjoint": {"residuals": [], "iterations": 0}}
-        if self.fwd is None:
-            U, D = self._serial_states(u0, store=True)
-        else:
-            guess = None
-            prev = self._previous_states
-            if self.warm_start and prev is not None and prev[0].shape == u0.shape:
-                guess = prev.__getitem__
-            res = MGRITSolver(ForwardPropagator(m, bk), m.n_layers, self.fwd).solve(u0, guess)
-            U = res.states
-            D = [m.step.deriv(W[n], b[n], U[n], bk) for n in range(m.n_layers)]
+        guess = None
+        prev = self._previous_states
+        if self.warm_start and prev is not None and prev[1] == batch:
+            guess = prev[0].__getitem__
+        steps = m.group("steps")
+        W, b = steps["weight"], steps["bias"]
+        res, d_open = self._distributed_forward(x, self.fwd or self._serial_opts, guess)
+        add(res)
+        if self.fwd is not None:
             stats["forward"] = {"residuals": list(res.residuals), "iterations": res.iterations}
             if self.warm_start:
-                self._previous_states = U
-        logits, c_close = m.closing.forward(m.group("closing"), U[-1], bk)
-        loss, g = m.loss.forward_grad(logits, y, bk)
+                self._previous_states = (res.states, batch)
+        U = res.states
+        D = [None] * N
+        for n in self.layers:
+            D[n] = m.step.deriv(W[n], b[n], U[n], bk)
         grads = m.params.zeros_like()
-        lam_N, gc = m.closing.vjp(m.group("closing"), U[-1], c_close, g, bk)
-        N = m.n_layers
-        if self.bwd is None:
-            lam = [None] * (N + 1)
-            lam[N] = lam_N
-            for n in range(N - 1, -1, -1):
-                lam[n] = m.step.vjp_state(W[n], b[n], U[n], m.h, lam[n + 1], bk, deriv=D[n])
-        else:
-            res = MGRITSolver(AdjointPropagator(m, U, D, bk), N, self.bwd).solve(lam_N)
-            lam = res.states[::-1]
-            stats["adjoint"] = {"residuals": list(res.residuals), "iterations": res.iterations}
+        buckets = _Buckets(lay.data_comm, grads)
+        loss_part = 0.0
+        lam_N = np.zeros_like(U[self.layers.start] if len(self.layers) else U[N])
+        if lay.last:
+            logits, c_close = m.closing.forward(m.group("closing"), U[N], bk)
+            loss, g = m.loss.forward_grad(logits, y, bk)
+            loss_part = loss * batch / total_batch
+            g *= scale
+            lam_N, gc = m.closing.vjp(m.group("closing"), U[N], c_close, g, bk)
+            for k, v in gc.items():
+                grads[f"closing.{k}"][...] = v
+            buckets.start("closing.weight", "closing.bias")
+        adj = self._solver(AdjointPropagator(m, U, D, bk), self.bwd or self._serial_opts,
+                           self.adjoint_partition).solve(lam_N)
+        add(adj)
+        if self.bwd is not None:
+            stats["adjoint"] = {"residuals": list(adj.residuals), "iterations": adj.iterations}
+        lam = adj.states[::-1]  # lam[n] = adjoint at forward index n (owned entries)
+        self._exchange_adjoint_halo(lam, timings)
         gW, gb = grads["steps.weight"], grads["steps.bias"]
-        for n in range(N):
+        for n in self.layers:
             gW[n], gb[n] = m.step.vjp_params(U[n], m.h, lam[n + 1], D[n], bk)
-        _, go = m.opening.vjp(m.group("opening"), x, d_open, lam[0], bk)
-        for prefix, gd in (("opening", go), ("closing", gc)):
-            for k, v in gd.items():
-                grads[f"{prefix}.{k}"][...] = v
+        buckets.start("steps.weight", "steps.bias", self.layers.start, self.layers.stop)
+        if lay.first:
+            _, go = m.opening.vjp(m.group("opening"), x, d_open, lam[0], bk)
+            for k, v in go.items():
+                grads[f"opening.{k}"][...] = v
+            buckets.start("opening.weight", "opening.bias")
+        t0 = time.perf_counter()
+        buckets.wait()
+        loss = loss_part if lay.comm is None else lay.comm.allreduce(loss_part)
+        timings["allreduce"] += time.perf_counter() - t0
+        timings["total"] = time.perf_counter() - t_start
+        timings["other"] = timings["total"] - timings["steps"] - timings["halo_wait"] \
+            - timings["allreduce"]
+        stats["timings"] = timings
         self.stats = stats
-        return loss, grads
+        return float(loss), grads
+
+    def _exchange_adjoint_halo(self, lam, timings):
+        """lam at forward index hi (first point of the next layer rank) for the last owned layer."""
+        import time
+        lay = self.layout
+        if lay.layer_size == 1:
+            return
+        from .comm import make_halo
+        halo = make_halo(lay.layer_comm)
+        lo, hi = self.partition.fine_range(lay.layer_rank)
+        t = tag("adjoint_halo")
+        template = lam[lo]
+        recv = halo.irecv(template, lay.layer_rank + 1, t) if not lay.last else None
+        send = halo.isend(lam[lo], lay.layer_rank - 1, t) if not lay.first else None
+        if recv is not None:
+            lam[hi] = halo.wait(recv).copy()
+        if send is not None:
+            halo.wait(send)
+        timings["halo_wait"] += halo.timers["halo_wait"]
+
+    def gather(self, grads):
+        """Every entry of ``grads`` (a ParamDict from :meth:`loss_and_grad`) on every rank: a new
+        ParamDict (the entries of other ranks' layers are summed in from their owners)."""
+        out = grads.copy()
+        lay = self.layout
+        if lay.layer_comm is not None and lay.layer_size > 1:
+            lay.layer_comm.Allreduce(_in_place(), out.flat)
+        return out
+
+    def gather_params(self, flat=None):
+        """The model's parameters (or another flat buffer laid out like them, e.g. optimizer
+        state) as held by their owners, on every rank: a new 1-D array."""
+        src = self.model.params.flat if flat is None else flat
+        out = np.where(self.owned, src, 0).astype(src.dtype)
+        lay = self.layout
+        if lay.layer_comm is not None and lay.layer_size > 1:
+            lay.layer_comm.Allreduce(_in_place(), out)
+        return out
+
+
+def _in_place():
+    from mpi4py import MPI
+    return MPI.IN_PLACE
+
+
+class _Buckets:
+    """Gradient buckets summed over the data replicas with nonblocking Allreduce, each started as
+    soon as its gradients are final (closing before the adjoint solve, steps, then opening)."""
+
+    def __init__(self, data_comm, grads):
+        self.comm = data_comm if data_comm is not None and data_comm.Get_size() > 1 else None
+        self.grads, self.requests = grads, []
+
+    def start(self, first, last, lo=None, hi=None):
+        """Start summing parameters ``first``..``last`` (adjacent in the flat buffer), or rows
+        lo..hi of each of the two when given."""
+        if self.comm is None:
+            return
+        from mpi4py import MPI
+        g = self.grads
+        if lo is None:
+            a = g.offsets[first]
+            slices = [g.flat[a:g.offsets[last] + g[last].size]]
+        else:
+            slices = [g.flat_slice(first, lo, hi), g.flat_slice(last, lo, hi)]
+        for sl in slices:
+            if sl.size:
+                self.requests.append(self.comm.Iallreduce(MPI.IN_PLACE, sl, op=MPI.SUM))
+
+    def wait(self):
+        """Wait for every started bucket."""
+        for r in self.requests:
+            r.Wait()
+        self.requests = []

@@ -18,11 +18,22 @@ class ParamDict(dict):
         flat = np.zeros(sum(sizes), dtype=dtype)
         out = cls()
         offset = 0
+        out.offsets = {}
         for (name, shape), size in zip(shapes.items(), sizes):
             out[name] = flat[offset:offset + size].reshape(shape)
+            out.offsets[name] = offset
             offset += size
         out.flat = flat
         return out
+
+    def flat_slice(self, name, first=0, stop=None):
+        """The 1-D slice of :attr:`flat` holding ``self[name][first:stop]`` (leading axis)."""
+        arr = self[name]
+        row = int(np.prod(arr.shape[1:])) if arr.ndim > 1 else 1
+        stop = arr.shape[0] if stop is None else stop
+        if arr.ndim == 0:
+            return self.flat[self.offsets[name]:self.offsets[name] + 1]
+        return self.flat[self.offsets[name] + first * row:self.offsets[name] + stop * row]
 
     def shapes(self):
         """Ordered dict name -> shape."""

@@ -14,17 +14,29 @@ def tag(name, level=0):
 
 
 class SerialHalo:
-    """The null communicator of a single-process solve: no messages, zero-cost reductions."""
+    """The null communicator of a single-process solve: no messages.
+
+    ``reduce_comm`` (optional) is the communicator residual norms are summed over (e.g. the data
+    replicas of a layer-serial, data-parallel run).
+    """
 
     rank, size = 0, 1
     cuda_aware = False
 
-    def __init__(self):
+    def __init__(self, reduce_comm=None):
         self.timers = {"halo_wait": 0.0, "allreduce": 0.0}
+        self.reduce_comm = reduce_comm if reduce_comm is not None and \
+            reduce_comm.Get_size() > 1 else None
 
     def allreduce_sum(self, value):
-        """Sum of a float over all ranks (here: the value)."""
-        return value
+        """Sum of a float over the ranks of the reduction communicator."""
+        if self.reduce_comm is None:
+            return value
+        from mpi4py import MPI
+        t0 = time.perf_counter()
+        out = self.reduce_comm.allreduce(float(value), op=MPI.SUM)
+        self.timers["allreduce"] += time.perf_counter() - t0
+        return out
 
 
 class Halo(SerialHalo):
@@ -33,8 +45,8 @@ class Halo(SerialHalo):
     Receive buffers are preallocated per (tag, shape, dtype) and reused.
     """
 
-    def __init__(self, comm):
-        super().__init__()
+    def __init__(self, comm, reduce_comm=None):
+        super().__init__(reduce_comm if reduce_comm is not None else comm)
         from mpi4py import MPI
         self.MPI, self.comm = MPI, comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
@@ -70,16 +82,11 @@ class Halo(SerialHalo):
         self.timers["halo_wait"] += time.perf_counter() - t0
         return pending[1]
 
-    def allreduce_sum(self, value):
-        """Sum of a float over all ranks of the communicator."""
-        t0 = time.perf_counter()
-        out = self.comm.allreduce(float(value), op=self.MPI.SUM)
-        self.timers["allreduce"] += time.perf_counter() - t0
-        return out
 
 
-def make_halo(comm):
-    """:class:`SerialHalo` for ``None`` or a size-1 communicator, else :class:`Halo`."""
+def make_halo(comm, reduce_comm=None):
+    """:class:`SerialHalo` for ``None`` or a size-1 communicator, else :class:`Halo`; norms are
+    summed over ``reduce_comm`` (default: ``comm``)."""
     if comm is None or comm.Get_size() == 1:
-        return SerialHalo()
-    return Halo(comm)
+        return SerialHalo(reduce_comm)
+    return Halo(comm, reduce_comm)

@@ -64,3 +64,21 @@ def abort_on_error(comm, what="mgnn"):
                          f"{what}: rank {rank}: aborting all {comm.Get_size()} ranks\n")
         sys.stderr.flush()
         comm.Abort(1)
+
+
+def agree_on_errors(comm, error):
+    """Collective: every rank passes the exception it hit in validation (or None); if any rank
+    has one, every rank raises the same ``ValueError``/``TypeError`` naming the first failing
+    rank, so no rank is left waiting for the others."""
+    if comm is None or comm.Get_size() == 1:
+        if error is not None:
+            raise error
+        return
+    msg = None if error is None else (type(error).__name__, str(error))
+    msgs = comm.allgather(msg)
+    for rank, m in enumerate(msgs):
+        if m is not None:
+            kind = TypeError if m[0] == "TypeError" else ValueError
+            if error is not None and rank == comm.Get_rank():
+                raise error
+            raise kind(f"rank {rank}: {m[1]}")

@@ -4,7 +4,7 @@ Never imports :mod:`mgnn.blocks`: networks plug in through the propagator protoc
 """
 from .hierarchy import cycle_work, intervals, level_sizes
 from .options import MGRITOptions
-from .solver import DivergenceError, MGRITResult, MGRITSolver
+from .solver import DivergenceError, MGRITResult, MGRITSolver, hierarchy
 
 __all__ = ["MGRITOptions", "MGRITSolver", "MGRITResult", "DivergenceError", "level_sizes",
-           "intervals", "cycle_work"]
+           "intervals", "cycle_work", "hierarchy"]

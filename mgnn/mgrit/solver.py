@@ -56,6 +56,20 @@ def _norm2(a):
     return float((a * a).sum())
 
 
+def hierarchy(n_steps, options):
+    """Intervals per level for ``n_steps`` under ``options``; ValueError naming the values if
+    ``n_steps`` is not a positive int or too small for a coarse level when levels were asked."""
+    o = options
+    if isinstance(n_steps, bool) or not isinstance(n_steps, int) or n_steps < 1:
+        raise ValueError(f"n_steps must be an int >= 1, got {n_steps!r}")
+    sizes = level_sizes(n_steps, o.cf, o.max_levels, o.min_coarse)
+    if o.max_levels > 1 and len(sizes) == 1:
+        raise ValueError(f"n_steps={n_steps} is too small for MGRIT with cf={o.cf} and "
+                         f"min_coarse={o.min_coarse} (no coarse level: need n_steps >= "
+                         f"{o.cf * o.min_coarse}); use max_levels=1 for sequential stepping")
+    return sizes
+
+
 class _Level:
     """This rank's share of one level: points [a, b) of 0..n (point j is fine index j * s)."""
 
@@ -81,13 +95,16 @@ class MGRITSolver:
     partition : Partition or None
         Which rank holds which fine indices; default: blocks over the ranks of ``comm`` in rank
         order, each starting on a level-0 C-point.
+    norm_comm : communicator or None
+        Residual norms are summed over this communicator (default ``comm``); a data-parallel run
+        passes the whole grid so that every replica sees the norm of the global batch.
     abort_on_error : bool
         In a distributed solve, an exception on any rank (a user propagator's included) is
         reported and ends every rank with ``comm.Abort`` instead of leaving the others waiting.
     """
 
     def __init__(self, propagator, n_steps, options=None, comm=None, partition=None,
-                 abort_on_error=True):
+                 abort_on_error=True, norm_comm=None):
         if not callable(getattr(propagator, "step", None)):
             raise TypeError(f"propagator {type(propagator).__name__} has no step(u, start, stop, "
                             "level) method")
@@ -95,16 +112,10 @@ class MGRITSolver:
         if not isinstance(self.options, MGRITOptions):
             raise TypeError(f"options must be MGRITOptions, got {type(self.options).__name__}")
         o = self.options
-        if isinstance(n_steps, bool) or not isinstance(n_steps, int) or n_steps < 1:
-            raise ValueError(f"n_steps must be an int >= 1, got {n_steps!r}")
-        self.sizes = level_sizes(n_steps, o.cf, o.max_levels, o.min_coarse)
-        if o.max_levels > 1 and len(self.sizes) == 1:
-            raise ValueError(f"n_steps={n_steps} is too small for MGRIT with cf={o.cf} and "
-                             f"min_coarse={o.min_coarse} (no coarse level: need n_steps >= "
-                             f"{o.cf * o.min_coarse}); use max_levels=1 for sequential stepping")
+        self.sizes = hierarchy(n_steps, o)
         self.prop, self.n_steps, self.comm = propagator, n_steps, comm
         self.pull = bool(getattr(propagator, "pull", False))
-        self.halo = make_halo(comm)
+        self.halo = make_halo(comm, norm_comm)
         if partition is None:
             starts = block_starts(n_steps + 1, self.halo.size, align=o.cf)
             partition = Partition(n_steps, tuple(starts), tuple(range(self.halo.size)))

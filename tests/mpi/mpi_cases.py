@@ -121,5 +121,85 @@ def case_fail():
         np.ones((2, 3)))
 
 
+
+def _nets():
+    import mgnn
+    yield "dense", mgnn.dense_resnet(5, 4, 3, 27, t_final=1.5, seed=1), (5,)
+    yield "conv", mgnn.conv_resnet(1, 2, (4, 4), 3, 14, t_final=1.5, seed=1), (1, 4, 4)
+
+
+def case_network():
+    """LayerParallel on layer_ranks x data_ranks = SIZE equals the single-process result."""
+    import mgnn
+    data_ranks = int(sys.argv[2])
+    rng = np.random.default_rng(7)
+    checked = 0
+    for kind, model, shape in _nets():
+        x = rng.standard_normal((8,) + shape)
+        y = rng.integers(0, 3, 8)
+        settings = [
+            ("fixed cycles", MGRITOptions(cf=2, max_levels=3, nrelax=[0, 1], tol=0.0, max_iter=2,
+                                          skip_downcycle=True),
+             MGRITOptions(cf=2, max_levels=3, nrelax=[0, 1], tol=0.0, max_iter=1)),
+            ("F-cycles", MGRITOptions(cf=3, max_levels=2, nrelax=1, tol=0.0, max_iter=2,
+                                      cycle="F"),
+             MGRITOptions(cf=3, max_levels=2, nrelax=1, tol=0.0, max_iter=2)),
+            ("converged", MGRITOptions(cf=2, max_levels=3, tol=1e-13, max_iter=60),
+             MGRITOptions(cf=2, max_levels=3, tol=1e-13, max_iter=60)),
+            ("layer-wise", None, None),
+        ]
+        exact_loss, exact = mgnn.LayerParallel(model, backend="numpy").loss_and_grad(x, y)
+        for name, fwd, bwd in settings:
+            single = mgnn.LayerParallel(model, fwd=fwd, bwd=bwd, backend="numba")
+            loss1, g1 = single.loss_and_grad(x, y)
+            lp = mgnn.LayerParallel(model, fwd=fwd, bwd=bwd, comm=COMM, data_ranks=data_ranks,
+                                    backend="numba")
+            shard = np.array_split(np.arange(8), data_ranks)[lp.replica]
+            loss, g = lp.loss_and_grad(x[shard], y[shard])
+            full = lp.gather(g)
+            _close(loss, loss1, 1e-12, f"{kind} {name} loss")
+            for k in g1:
+                _close(full[k], g1[k], 1e-11, f"{kind} {name} grad {k}")
+            for part in ("forward", "adjoint"):
+                _close(lp.stats[part]["residuals"], single.stats[part]["residuals"], 1e-11,
+                       f"{kind} {name} {part} residuals")
+            if name in ("converged", "layer-wise"):
+                _close(loss, exact_loss, 1e-10, f"{kind} {name} vs backprop loss")
+                for k in exact:
+                    _close(full[k], exact[k], 1e-10, f"{kind} {name} vs backprop {k}")
+            owned = lp.owned
+            untouched = g.flat[~owned]
+            if untouched.size and np.any(untouched != 0):
+                raise AssertionError(f"rank {RANK}: gradient entries of other ranks' layers set")
+            checked += 1
+        # predictions on every rank equal the single process's
+        lp = mgnn.LayerParallel(model, comm=COMM, data_ranks=data_ranks, backend="numba")
+        if not np.array_equal(lp.predict(x), mgnn.LayerParallel(model).predict(x)):
+            raise AssertionError(f"rank {RANK}: predictions differ")
+    if RANK == 0:
+        print(json.dumps({"case": "network", "ranks": SIZE, "data_ranks": data_ranks,
+                          "checked": checked}))
+
+
+def case_bad_input():
+    """Bad input on one rank: every rank raises the ValueError (no hang)."""
+    import mgnn
+    model = mgnn.dense_resnet(5, 4, 3, 8, seed=1)
+    lp = mgnn.LayerParallel(model, comm=COMM, backend="numpy")
+    x = np.ones((4, 5))
+    if RANK == SIZE - 1:
+        x[2, 3] = np.nan
+    try:
+        lp.loss_and_grad(x, np.zeros(4, dtype=np.int64))
+    except ValueError as exc:
+        msg = str(exc)
+    else:
+        raise AssertionError(f"rank {RANK}: no error")
+    if "non-finite" not in msg or (RANK != SIZE - 1 and f"rank {SIZE - 1}" not in msg):
+        raise AssertionError(f"rank {RANK}: unclear message {msg!r}")
+    if RANK == 0:
+        print(json.dumps({"case": "bad_input", "ranks": SIZE, "message": msg}))
+
+
 if __name__ == "__main__":
     globals()[f"case_{sys.argv[1]}"]()

@@ -52,3 +52,15 @@ def test_failure_on_one_rank_ends_all_ranks():
     assert time.perf_counter() - t0 < 30
     assert proc.returncode != 0
     assert "rank 2: RuntimeError: user propagator failed at step" in proc.stderr
+
+
+@pytest.mark.parametrize("ranks, data_ranks", [(1, 1), (2, 1), (3, 1), (4, 1), (2, 2), (4, 2),
+                                               (4, 4)])
+def test_distributed_network_equals_single_process(ranks, data_ranks):
+    out = _json(mpirun(ranks, "-m", "tests.mpi.mpi_cases", "network", str(data_ranks)))
+    assert out["checked"] == 8
+
+
+def test_bad_input_on_one_rank_raises_everywhere():
+    out = _json(mpirun(3, "-m", "tests.mpi.mpi_cases", "bad_input", timeout=120))
+    assert "rank 2" in out["message"]
