@@ -49,6 +49,12 @@ def _train_parser(sub):
                    help="cycle 0 is a cascadic initial guess (XBraid's skip)")
     g.add_argument("--warm-start", action="store_true",
                    help="start each forward solve from the previous batch's states")
+    m = p.add_argument_group("MPI (run under mpiexec -n P; P = layer ranks x data ranks)")
+    m.add_argument("--layer-ranks", type=int, default=None,
+                   help="ranks sharing the layers (default P / data ranks)")
+    m.add_argument("--data-ranks", type=int, default=1, help="data-parallel replicas (default 1)")
+    m.add_argument("--timings", action="store_true",
+                   help="print per-rank time in step kernels, halo waits, allreduce and other")
     a("--checkpoint", default=None, help="write a checkpoint (.npz) here after every epoch")
     a("--resume", default=None, help="resume from this checkpoint (same model options)")
     a("--json", action="store_true", help="print one machine-readable summary line on stdout")
@@ -80,16 +86,45 @@ def _mgrit_options(args):
             MGRITOptions(tol=args.bwd_tol, max_iter=args.bwd_iters, **common))
 
 
-def cmd_train(args):
-    """Run ``train``; returns the summary dict."""
+def _mpi_size_from_env():
+    """Process count announced by the MPI launcher (MPICH/Hydra, Open MPI), or 1."""
+    import os
+    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 1
+
+
+def _world(args):
+    """COMM_WORLD when launched on several ranks (or ranks were asked for), else None."""
+    if _mpi_size_from_env() == 1 and args.layer_ranks in (None, 1) and args.data_ranks == 1:
+        return None
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        raise ValueError("--layer-ranks/--data-ranks or mpiexec need mpi4py "
+                         "(pip install 'mgnn[mpi]')") from None
+    comm = MPI.COMM_WORLD
+    size = comm.Get_size()
+    layer = args.layer_ranks if args.layer_ranks is not None else size // max(args.data_ranks, 1)
+    if layer < 1 or args.data_ranks < 1 or layer * args.data_ranks != size:
+        raise ValueError(f"--layer-ranks {layer} x --data-ranks {args.data_ranks} != "
+                         f"{size} MPI processes")
+    return comm if size > 1 else None
+
+
+def cmd_train(args, comm=None):
+    """Run ``train`` (every rank of ``comm``); returns the summary dict."""
     from . import LayerParallel, conv_resnet, dense_resnet, load_dataset
     from .optim import make_optimizer
     from .train import fit, load_checkpoint, restore
 
     out = sys.stderr if args.json else sys.stdout
+    rank = 0 if comm is None else comm.Get_rank()
 
     def log(line):
-        print(line, file=out, flush=True)
+        if rank == 0:
+            print(line, file=out, flush=True)
 
     t_setup = time.perf_counter()
     ds = load_dataset(args.data, args.data_dir, seed=args.seed, limit_train=args.limit_train,
@@ -106,7 +141,8 @@ def cmd_train(args):
     lr = args.lr if args.lr is not None else (0.05 if args.optimizer == "sgd" else 0.003)
     opt = make_optimizer(args.optimizer, model.params.flat, lr, args.momentum, args.weight_decay)
     fwd, bwd = _mgrit_options(args)
-    lp = LayerParallel(model, fwd=fwd, bwd=bwd, backend=args.backend, warm_start=args.warm_start)
+    lp = LayerParallel(model, fwd=fwd, bwd=bwd, backend=args.backend, warm_start=args.warm_start,
+                       comm=comm, data_ranks=args.data_ranks)
     rng = np.random.default_rng(args.seed)
     start, step = 0, 0
     if args.resume:
@@ -117,6 +153,10 @@ def cmd_train(args):
         f"{args.dtype}, backend {args.backend}; data {ds.name}: {len(ds.y_train)} train / "
         f"{len(ds.y_test)} test; {args.optimizer} lr {lr}, batch {args.batch_size}, "
         f"{args.epochs} epochs")
+    if comm is not None:
+        log(f"MPI: {lp.layout.size} ranks = {lp.layout.layer_size} layer ranks x "
+            f"{lp.layout.data_ranks} data replicas; layer blocks start at "
+            f"{list(lp.partition.starts)}; messages through host buffers")
     if fwd is not None:
         from .mgrit import level_sizes
         sizes = level_sizes(args.layers, args.cf, args.levels, args.min_coarse)
@@ -125,12 +165,13 @@ def cmd_train(args):
             f"skip_downcycle {args.skip_downcycle}, warm start {args.warm_start}")
     tj = time.perf_counter()
     lp.loss_and_grad(xtr[:2], ds.y_train[:2])  # compile (or load cached) kernels before timing
+    timings = {}
     log(f"kernels ready in {time.perf_counter() - tj:.1f} s")
     t0 = time.perf_counter()
     hist = fit(lp, opt, xtr, ds.y_train, xte, ds.y_test, epochs=args.epochs,
                batch_size=args.batch_size, rng=rng, start_epoch=start, step=step,
-               checkpoint=args.checkpoint, log=log, progress=not args.no_progress,
-               meta={"lr": lr})
+               checkpoint=args.checkpoint, log=log, progress=not args.no_progress and rank == 0,
+               meta={"lr": lr}, timings=timings)
     train_s = time.perf_counter() - t0
     from .train import evaluate
     acc = hist[-1]["test_accuracy"] if hist else evaluate(lp, xte, ds.y_test)
@@ -142,9 +183,28 @@ def cmd_train(args):
                "params": n_params}
     log(f"final test accuracy {100 * acc:.2f}%  ({train_s:.1f} s training, "
         f"{summary['ms_per_batch'] or 0:.2f} ms/batch)")
-    if args.json:
+    summary["ranks"] = lp.layout.size
+    if args.timings:
+        _print_timings(comm, lp, timings, train_s, log)
+    if args.json and rank == 0:
         print(json.dumps(summary), flush=True)
     return summary
+
+
+def _print_timings(comm, lp, timings, train_s, log):
+    """Gather every rank's per-phase seconds and print one table on rank 0."""
+    other = train_s - sum(timings.get(k, 0.0) for k in ("steps", "halo_wait", "allreduce"))
+    row = (lp.layout.rank, lp.layout.layer_rank, lp.layout.replica, timings.get("steps", 0.0),
+           timings.get("halo_wait", 0.0), timings.get("allreduce", 0.0), other, train_s)
+    rows = [row] if comm is None else comm.gather(row, root=0)
+    if rows is None:
+        return
+    log("timings (s, whole training): MPI path: host buffers (CPU backend)")
+    log(f"{'rank':>5} {'layer':>5} {'replica':>7} {'steps':>9} {'halo wait':>10} "
+        f"{'allreduce':>10} {'other':>9} {'total':>9}")
+    for r in rows:
+        log(f"{r[0]:>5} {r[1]:>5} {r[2]:>7} {r[3]:9.3f} {r[4]:10.3f} {r[5]:10.3f} {r[6]:9.3f} "
+            f"{r[7]:9.3f}")
 
 
 def cmd_bench(args):
@@ -172,6 +232,18 @@ def main(argv=None):
     _train_parser(sub)
     _bench_parser(sub)
     args = parser.parse_args(argv)
+    comm = None
+    try:
+        if args.command == "train":
+            comm = _world(args)
+    except ValueError as exc:  # the same on every rank: a clean exit everywhere
+        print(f"mgnn: error: {exc}", file=sys.stderr)
+        return 2
+    if comm is not None:  # any failure on any rank ends every rank (MPI_Abort), never a hang
+        from .comm import abort_on_error
+        with abort_on_error(comm, "mgnn"):
+            cmd_train(args, comm)
+        return 0
     try:
         if args.command == "train":
             cmd_train(args)

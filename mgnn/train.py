@@ -16,14 +16,19 @@ from .errors import CheckpointError
 
 
 # ------------------------------------------------------------------------------------ checkpoints
-def save_checkpoint(path, model, optimizer, epoch, step, rng, meta=None):
+def save_checkpoint(path, model, optimizer, epoch, step, rng, meta=None, params=None,
+                    optim_state=None):
     """Write parameters, optimizer state, epoch/step and the shuffling RNG state to ``path`` (.npz).
 
     The file is written to a temporary file in the same folder and renamed over ``path``, so a
-    crash never leaves a half-written checkpoint.
+    crash never leaves a half-written checkpoint. ``params`` / ``optim_state`` replace the
+    model's and optimizer's own (a distributed run passes the gathered ones), so a checkpoint
+    never depends on the number of ranks that wrote it.
     """
-    arrays = {f"params/{k}": v for k, v in model.params.items()}
-    arrays.update({f"optim/{k}": np.asarray(v) for k, v in optimizer.state_dict().items()})
+    params = model.params if params is None else params
+    optim_state = optimizer.state_dict() if optim_state is None else optim_state
+    arrays = {f"params/{k}": v for k, v in params.items()}
+    arrays.update({f"optim/{k}": np.asarray(v) for k, v in optim_state.items()})
     header = {"epoch": int(epoch), "step": int(step), "model_config": model.config,
               "optimizer": type(optimizer).__name__, "rng_state": rng.bit_generator.state,
               "meta": meta or {}}
@@ -77,7 +82,8 @@ def restore(ckpt, model, optimizer, rng):
 
 # ------------------------------------------------------------------------------------- progress
 class Progress:
-    """A one-line progress bar on a terminal; on a pipe, a line every ``every`` fraction."""
+    """A one-line progress bar on a terminal; on a pipe, a line every ``every`` fraction once the
+    loop has run for more than 5 s."""
 
     def __init__(self, total, label, stream=None, enabled=True, every=0.25):
         self.total, self.label = total, label
@@ -100,7 +106,7 @@ class Progress:
             if done >= self.total:
                 self.stream.write("\r" + " " * 100 + "\r")
             self.stream.flush()
-        elif frac >= self.next_mark and done < self.total:
+        elif frac >= self.next_mark and done < self.total and el > 5.0:
             self.stream.write(f"{self.label} {done}/{self.total} ({100 * frac:.0f}%) "
                               f"{el:.1f}s {text}\n")
             self.stream.flush()
@@ -116,8 +122,31 @@ def evaluate(lp, x, y, batch_size=1000):
     return correct / max(len(y), 1)
 
 
+def distributed_checkpoint(path, lp, optimizer, epoch, step, rng, meta=None):
+    """Collective: gather the parameters and optimizer state from their owners; the first rank
+    writes the checkpoint (atomically); every rank returns once it is on disk."""
+    if not lp.distributed:
+        save_checkpoint(path, lp.model, optimizer, epoch, step, rng, meta)
+        return
+    params = lp.model.params.zeros_like()
+    params.flat[:] = lp.gather_params()
+    n = params.flat.size
+    state = {k: (lp.gather_params(v) if getattr(v, "shape", None) == (n,) else v)
+             for k, v in optimizer.state_dict().items()}
+    comm = lp.layout.comm
+    if comm.Get_rank() == 0:
+        save_checkpoint(path, lp.model, optimizer, epoch, step, rng, meta, params, state)
+    comm.Barrier()
+
+
+def _add_timings(total, stats):
+    for k, v in stats.get("timings", {}).items():
+        total[k] = total.get(k, 0.0) + v
+
+
 def fit(lp, optimizer, x_train, y_train, x_test, y_test, *, epochs, batch_size, rng,
-        start_epoch=0, step=0, checkpoint=None, log=None, progress=True, meta=None):
+        start_epoch=0, step=0, checkpoint=None, log=None, progress=True, meta=None,
+        timings=None):
     """Train ``lp.model`` for epochs ``start_epoch .. epochs-1``.
 
     Parameters
@@ -127,10 +156,15 @@ def fit(lp, optimizer, x_train, y_train, x_test, y_test, *, epochs, batch_size, 
     x_train, y_train, x_test, y_test : arrays already shaped and typed for the model
     rng : numpy.random.Generator
         Shuffles every epoch; its state is checkpointed so a resumed run repeats the same batches.
+        In a data-parallel run every rank draws the same permutation and replica r trains on
+        part r of each batch (``numpy.array_split``); a final batch smaller than the number of
+        replicas is skipped.
     checkpoint : str or None
         Path written (atomically) after every epoch.
     log : callable(str) or None
         Receives one line per epoch.
+    timings : dict or None
+        If given, the per-phase seconds of every step (``lp.stats['timings']``) are summed in.
 
     Returns
     -------
@@ -138,13 +172,20 @@ def fit(lp, optimizer, x_train, y_train, x_test, y_test, *, epochs, batch_size, 
         Per epoch: epoch, loss (mean over batches), test_accuracy, seconds, ms_per_batch.
     """
     history = []
+    replicas = lp.layout.data_ranks
+    if batch_size < replicas:
+        raise ValueError(f"batch_size={batch_size} is smaller than the {replicas} data replicas")
     for epoch in range(start_epoch, epochs):
         t0 = time.perf_counter()
-        idx = batches(len(y_train), batch_size, rng)
+        idx = [b for b in batches(len(y_train), batch_size, rng) if len(b) >= replicas]
         bar = Progress(len(idx), f"epoch {epoch + 1}/{epochs}", enabled=progress)
         total = 0.0
         for j, b in enumerate(idx):
+            if replicas > 1:
+                b = np.array_split(b, replicas)[lp.replica]
             loss, grads = lp.loss_and_grad(x_train[b], y_train[b])
+            if timings is not None:
+                _add_timings(timings, lp.stats)
             if not np.isfinite(loss):
                 raise FloatingPointError(f"loss became {loss} at epoch {epoch + 1}, batch {j}")
             optimizer.step(grads.flat)
@@ -158,7 +199,7 @@ def fit(lp, optimizer, x_train, y_train, x_test, y_test, *, epochs, batch_size, 
         rec.update(_stats_summary(lp.stats))
         history.append(rec)
         if checkpoint:
-            save_checkpoint(checkpoint, lp.model, optimizer, epoch + 1, step, rng, meta)
+            distributed_checkpoint(checkpoint, lp, optimizer, epoch + 1, step, rng, meta)
         if log:
             log(format_epoch(rec, epochs))
     return history

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -64,3 +65,51 @@ def test_distributed_network_equals_single_process(ranks, data_ranks):
 def test_bad_input_on_one_rank_raises_everywhere():
     out = _json(mpirun(3, "-m", "tests.mpi.mpi_cases", "bad_input", timeout=120))
     assert "rank 2" in out["message"]
+
+
+def _train(ranks, *args, layer_ranks=None):
+    cmd = ["-m", "mgnn", "train", "--data", "digits", "--layers", "16", "--width", "16",
+           "--epochs", "2", "--dtype", "float64", "--no-progress", "--json", "--seed", "3",
+           "--levels", "3", "--cf", "2", "--fwd-iters", "2", "--bwd-iters", "1",
+           "--layer-ranks", str(layer_ranks or ranks), *args]
+    return _json(mpirun(ranks, *cmd))
+
+
+def test_cli_four_layer_ranks_equal_single_process():
+    one = _train(1)
+    four = _train(4)
+    assert four["ranks"] == 4
+    assert abs(four["final_loss"] - one["final_loss"]) <= 1e-10 * one["final_loss"]
+    assert four["test_accuracy"] == one["test_accuracy"] > 0.8
+
+
+def test_cli_data_parallel_equals_single_process():
+    one = _train(1)
+    two_by_two = _train(4, "--data-ranks", "2", layer_ranks=2)
+    assert abs(two_by_two["final_loss"] - one["final_loss"]) <= 1e-10 * one["final_loss"]
+    assert two_by_two["test_accuracy"] == one["test_accuracy"]
+
+
+def test_checkpoint_is_independent_of_the_rank_count(tmp_path):
+    """Save after epoch 1 on 3 layer ranks, resume on 1 process (and on 2 ranks): identical to an
+    uninterrupted single-process run (round-off)."""
+    from mgnn.train import load_checkpoint
+    full, part = tmp_path / "full.npz", tmp_path / "part.npz"
+    _train(1, "--checkpoint", str(full))
+    _train(3, "--checkpoint", str(part), "--epochs", "1")
+    for ranks in (1, 2):
+        resumed = tmp_path / f"resumed{ranks}.npz"
+        _train(ranks, "--resume", str(part), "--checkpoint", str(resumed))
+        a, b = load_checkpoint(full), load_checkpoint(resumed)
+        assert a["header"]["step"] == b["header"]["step"]
+        for k in a["params"]:
+            np.testing.assert_allclose(b["params"][k], a["params"][k], rtol=1e-10, atol=1e-12,
+                                       err_msg=k)
+        for k in a["optim"]:
+            np.testing.assert_allclose(b["optim"][k], a["optim"][k], rtol=1e-8, atol=1e-14,
+                                       err_msg=k)
+
+
+def test_cli_bad_rank_grid_is_a_clean_error():
+    proc = mpirun(2, "-m", "mgnn", "train", "--layer-ranks", "3", timeout=120)
+    assert proc.returncode != 0 and "--layer-ranks 3 x --data-ranks 1 != 2" in proc.stderr
