@@ -64,8 +64,19 @@ def _train_parser(sub):
 
 def _bench_parser(sub):
     p = sub.add_parser("bench", help="benchmarks (ratios against baselines, same run)")
-    p.add_argument("suite", choices=["kernels", "mgrit"], help="which benchmark suite")
-    p.add_argument("--quick", action="store_true", help="fewer cases")
+    p.add_argument("suite", choices=["kernels", "mgrit", "scaling", "scaling-run"],
+                   help="kernels | mgrit | scaling (launches mpiexec for each --ranks value; "
+                        "scaling-run is one point, run under mpiexec)")
+    p.add_argument("--quick", action="store_true", help="fewer cases / smaller sizes")
+    p.add_argument("--ranks", default="1,2,4", help="scaling: process counts (default 1,2,4)")
+    p.add_argument("--n-layers", type=int, default=256, help="scaling: residual layers N")
+    p.add_argument("--width", type=int, default=64, help="scaling: state width")
+    p.add_argument("--batch", type=int, default=64, help="scaling: batch size")
+    p.add_argument("--levels", type=int, default=3, help="scaling: MGRIT levels")
+    p.add_argument("--cf", type=int, default=4, help="scaling: coarsening factor")
+    p.add_argument("--fwd-iters", type=int, default=2, help="scaling: forward cycles")
+    p.add_argument("--bwd-iters", type=int, default=1, help="scaling: adjoint cycles")
+    p.add_argument("--repeats", type=int, default=5, help="scaling: timed steps per point")
     p.add_argument("--json", action="store_true", help="print results as JSON lines")
     return p
 
@@ -210,7 +221,22 @@ def _print_timings(comm, lp, timings, train_s, log):
 def cmd_bench(args):
     """Run ``bench``; returns the list of results."""
     from .bench import bench_mgrit, format_mgrit, format_results, run_kernels
-    if args.suite == "kernels":
+    scaling_kw = dict(n_layers=args.n_layers, width=args.width, batch=args.batch,
+                      levels=args.levels, cf=args.cf, fwd_iters=args.fwd_iters,
+                      bwd_iters=args.bwd_iters, repeats=args.repeats)
+    if args.suite == "scaling-run":
+        from .bench import scaling_worker
+        rows = scaling_worker(**scaling_kw)
+        for r in rows or []:
+            print(json.dumps(r), flush=True)
+        return rows
+    if args.suite == "scaling":
+        from .bench import format_scaling, run_scaling
+        if args.quick:
+            scaling_kw.update(n_layers=64, repeats=3)
+        results = run_scaling([int(p) for p in args.ranks.split(",")], **scaling_kw)
+        text = format_scaling(results)
+    elif args.suite == "kernels":
         results = run_kernels(quick=args.quick)
         text = format_results(results)
     else:

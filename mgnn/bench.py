@@ -175,3 +175,155 @@ def format_mgrit(results):
         f"measured {r['evals_per_cycle_over_N']:.4f}, model {r['model_evals_per_cycle_over_N']:.4f}"
         f"  time outside step kernels {100 * r['outside_kernels_fraction']:.1f}%  "
         f"[target {r['target']}]" for r in results)
+
+
+# ------------------------------------------------------------------------------------- scaling
+SCALING_FIELDS = {
+    "ranks": "MPI processes P (all layer ranks; oversubscribed when P > cores)",
+    "overlap": "halo messages overlapped with computation (True) or waited for at once (False)",
+    "time_s": "median wall time of one training step (forward + adjoint MGRIT + gradients)",
+    "speedup": "time at P = 1 / time at P (same overlap setting)",
+    "predicted_s": "cost-model time: critical-path steps x t_step + messages x t_msg",
+    "predicted_speedup": "cost-model time at P = 1 / cost-model time at P",
+    "model_efficiency": "speedup / predicted_speedup",
+    "exposed_halo_pct": "time blocked in Wait on halo receives / time from posting each receive "
+                        "to its completion (100% = nothing hidden behind computation)",
+    "t_step_us": "measured time of one forward and one adjoint layer step (mean, this run)",
+    "t_msg_us": "measured one-way time of one boundary message (ping-pong / 2, this run)",
+}
+
+
+def scaling_worker(n_layers=256, width=64, batch=64, levels=3, cf=4, fwd_iters=2, bwd_iters=1,
+                   repeats=5, seed=0):
+    """One point of the strong-scaling study; run under ``mpiexec -n P`` (every rank calls it).
+
+    Returns (on rank 0; None elsewhere) a list of two result dicts (overlap on, off) with the
+    fields of :data:`SCALING_FIELDS` that one run can measure.
+    """
+    from mpi4py import MPI
+
+    from .mgrit import MGRITOptions, level_sizes, solve_critical_path
+    from .network import AdjointPropagator, ForwardPropagator
+    comm = MPI.COMM_WORLD
+    P, rank = comm.Get_size(), comm.Get_rank()
+    model = dense_resnet(width, width, 10, n_layers, dtype="float64", seed=seed)
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((batch, width))
+    y = rng.integers(0, 10, batch)
+    common = dict(cf=cf, max_levels=levels, nrelax=[0, 1], tol=0.0, skip_downcycle=True)
+    fwd = MGRITOptions(max_iter=fwd_iters, **common)
+    bwd = MGRITOptions(max_iter=bwd_iters, **common)
+    out = []
+    for overlap in (True, False):
+        lp = LayerParallel(model, fwd=fwd, bwd=bwd, comm=comm, overlap=overlap)
+        lp.loss_and_grad(x, y)
+        times, acc = [], {}
+        for _ in range(repeats):
+            comm.Barrier()
+            t0 = time.perf_counter()
+            lp.loss_and_grad(x, y)
+            comm.Barrier()
+            times.append(time.perf_counter() - t0)
+            for k, v in lp.stats["timings"].items():
+                acc[k] = acc.get(k, 0.0) + v
+        wait = comm.allreduce(acc.get("recv_wait", 0.0))
+        total = comm.allreduce(acc.get("halo_total", 0.0))
+        out.append({"ranks": P, "overlap": overlap, "time_s": float(np.median(times)),
+                    "exposed_halo_pct": 100.0 * wait / total if total > 0 else 0.0})
+    # calibration in the same run, all ranks at once (so oversubscription is included)
+    bk = get_backend("numba")
+    u = rng.standard_normal((batch, width))
+    fp = ForwardPropagator(model, bk)
+    steps = model.group("steps")
+    d = model.step.deriv(steps["weight"][0], steps["bias"][0], u, bk)
+    ap = AdjointPropagator(model, {n_layers - 1: u}, {n_layers - 1: d}, bk)
+    comm.Barrier()
+    t_fwd = median_time(lambda: fp.step(u, 0, 1, 0), repeats=5)
+    t_adj = median_time(lambda: ap.step(u, 0, 1, 0), repeats=5)
+    t_step = comm.allreduce(0.5 * (t_fwd + t_adj)) / P
+    t_msg = 0.0
+    if P > 1:
+        buf = np.empty_like(u)
+        comm.Barrier()
+        if rank in (0, 1):
+            other = 1 - rank
+            t0 = time.perf_counter()
+            for _ in range(50):
+                if rank == 0:
+                    comm.Send(u, dest=other, tag=99)
+                    comm.Recv(buf, source=other, tag=99)
+                else:
+                    comm.Recv(buf, source=other, tag=99)
+                    comm.Send(u, dest=other, tag=99)
+            t_msg = (time.perf_counter() - t0) / 100
+        t_msg = comm.bcast(t_msg, root=0)
+    sizes = level_sizes(n_layers, cf, levels, 2)
+    nrelax = fwd.nrelax_on
+    pred_steps = pred_msgs = 0.0
+    for cycles in (fwd_iters, bwd_iters):
+        s, m = solve_critical_path(sizes, nrelax, P, cycles, skip=True)
+        pred_steps, pred_msgs = pred_steps + s, pred_msgs + m
+    pred_steps += 2 * n_layers / P  # sigma' and the parameter vjp of every owned layer
+    for r in out:
+        r.update(t_step_us=1e6 * t_step, t_msg_us=1e6 * t_msg,
+                 predicted_s=pred_steps * t_step + pred_msgs * t_msg,
+                 predicted_s_at_p1=(solve_critical_path(sizes, nrelax, 1, fwd_iters, True)[0]
+                                    + solve_critical_path(sizes, nrelax, 1, bwd_iters, True)[0]
+                                    + 2 * n_layers) * t_step,
+                 n_layers=n_layers, width=width, batch=batch, levels=sizes, cf=cf,
+                 cycles=[fwd_iters, bwd_iters])
+    return out if rank == 0 else None
+
+
+def run_scaling(ranks=(1, 2, 4), timeout=600, **kw):
+    """Launch :func:`scaling_worker` under ``mpiexec -n P`` for every P; returns the rows."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or \
+        shutil.which("mpiexec")
+    if mpiexec is None:
+        raise ValueError("mpiexec not found (pip install 'mgnn[mpi]')")
+    env = dict(os.environ, NUMBA_NUM_THREADS="1", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    rows = []
+    for P in ranks:
+        args = [f"--{k.replace('_', '-')}={v}" for k, v in kw.items()]
+        proc = subprocess.run([mpiexec, "-n", str(P), sys.executable, "-m", "mgnn", "bench",
+                               "scaling-run", *args], capture_output=True, text=True,
+                              timeout=timeout, env=env)
+        if proc.returncode != 0:
+            raise RuntimeError(f"scaling run on {P} ranks failed:\n{proc.stderr[-3000:]}")
+        rows += [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    base = {r["overlap"]: r for r in rows if r["ranks"] == 1}
+    for r in rows:
+        b = base.get(r["overlap"])
+        if b:
+            r["speedup"] = b["time_s"] / r["time_s"]
+            r["predicted_speedup"] = r["predicted_s_at_p1"] / r["predicted_s"]
+            r["model_efficiency"] = r["speedup"] / r["predicted_speedup"]
+    return rows
+
+
+def format_scaling(rows, cores=None):
+    """The strong-scaling table (oversubscribed runs labelled)."""
+    import os
+    cores = cores or os.cpu_count()
+    head = (f"{'P':>3} {'overlap':>7} {'time s':>9} {'speedup':>8} {'model s':>9} "
+            f"{'model speedup':>13} {'model eff':>9} {'exposed halo':>12}  note")
+    lines = [head]
+    for r in rows:
+        note = f"oversubscribed ({r['ranks']} ranks on {cores} cores)" if r["ranks"] > cores \
+            else ""
+        lines.append(f"{r['ranks']:>3} {str(r['overlap']):>7} {r['time_s']:9.4f} "
+                     f"{r.get('speedup', float('nan')):8.2f} {r['predicted_s']:9.4f} "
+                     f"{r.get('predicted_speedup', float('nan')):13.2f} "
+                     f"{r.get('model_efficiency', float('nan')):9.2f} "
+                     f"{r['exposed_halo_pct']:11.1f}%  {note}")
+    if rows:
+        r = rows[0]
+        lines.append(f"dense N={r['n_layers']} width={r['width']} batch={r['batch']} levels "
+                     f"{r['levels']} cf={r['cf']} cycles fwd/adj {r['cycles']}; t_step "
+                     f"{r['t_step_us']:.1f} us, t_msg {max(x['t_msg_us'] for x in rows):.1f} us")
+    return "\n".join(lines)

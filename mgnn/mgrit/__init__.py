@@ -2,9 +2,11 @@
 
 Never imports :mod:`mgnn.blocks`: networks plug in through the propagator protocol.
 """
-from .hierarchy import cycle_work, intervals, level_sizes
+from .hierarchy import (cycle_critical_path, cycle_work, intervals, level_sizes,
+                        solve_critical_path)
 from .options import MGRITOptions
 from .solver import DivergenceError, MGRITResult, MGRITSolver, hierarchy
 
 __all__ = ["MGRITOptions", "MGRITSolver", "MGRITResult", "DivergenceError", "level_sizes",
-           "intervals", "cycle_work", "hierarchy"]
+           "intervals", "cycle_work", "hierarchy", "cycle_critical_path",
+           "solve_critical_path"]

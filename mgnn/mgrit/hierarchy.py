@@ -58,3 +58,46 @@ def cycle_work(sizes, cf, nrelax, skip=False, cycle="V", level=0):
             work += cycle_work(sizes, cf, nrelax, False, "V", level + 1)
         work += nc - sizes[level + 2]
     return work
+
+
+def cycle_critical_path(sizes, nrelax, ranks, skip=False):
+    """Cost model of one V-cycle on ``ranks`` layer ranks: (steps, messages) on the critical path.
+
+    Every sweep on level l is shared by the P_l = min(ranks, n_l + 1) ranks holding points of that
+    level (work / P_l steps each) and costs one boundary message when P_l > 1; the coarsest level
+    is sequential across its P_c ranks (n_{L-1} steps and P_c - 1 messages). Work per sweep as in
+    :func:`cycle_work`. With ranks = 1 it equals (cycle_work, 0).
+    """
+    L = len(sizes)
+
+    def share(work, lev):
+        p = min(ranks, sizes[lev] + 1)
+        return work / p, (1 if p > 1 else 0)
+
+    steps = msgs = 0.0
+    for lev in range(L - 1):
+        n, nc = sizes[lev], sizes[lev + 1]
+        sweeps = []
+        if not skip:
+            sweeps += [(n - nc, lev), (nc, lev)] * nrelax(lev)
+            sweeps += [(n - nc, lev), (nc, lev), (nc, lev + 1)]
+        if lev + 1 < L - 1:
+            sweeps.append((nc - sizes[lev + 2], lev + 1))
+        for work, at in sweeps:
+            s, m = share(work, at)
+            steps, msgs = steps + s, msgs + m
+    pc = min(ranks, sizes[-1] + 1)
+    return steps + sizes[-1], msgs + (pc - 1)
+
+
+def solve_critical_path(sizes, nrelax, ranks, cycles, skip=False):
+    """(steps, messages) of a whole solve: ``cycles`` cycles (the first cascadic if ``skip``) and
+    the final F-relaxation (a sequential chain of N steps when there is a single level)."""
+    if len(sizes) == 1:
+        return float(sizes[0]), float(min(ranks, sizes[0] + 1) - 1)
+    steps = msgs = 0.0
+    for k in range(cycles):
+        s, m = cycle_critical_path(sizes, nrelax, ranks, skip and k == 0)
+        steps, msgs = steps + s, msgs + m
+    p = min(ranks, sizes[0] + 1)
+    return steps + (sizes[0] - sizes[1]) / p, msgs + (1 if p > 1 else 0)

@@ -70,6 +70,13 @@ def hierarchy(n_steps, options):
     return sizes
 
 
+class _Done:
+    """A completed request (no-overlap mode waits at once)."""
+
+    def Wait(self):
+        return None
+
+
 class _Level:
     """This rank's share of one level: points [a, b) of 0..n (point j is fine index j * s)."""
 
@@ -98,13 +105,16 @@ class MGRITSolver:
     norm_comm : communicator or None
         Residual norms are summed over this communicator (default ``comm``); a data-parallel run
         passes the whole grid so that every replica sees the norm of the global batch.
+    overlap : bool
+        Overlap halo messages with interior work (default). ``False`` waits for the left halo
+        before any local work and sends only after it (the baseline the benchmarks compare with).
     abort_on_error : bool
         In a distributed solve, an exception on any rank (a user propagator's included) is
         reported and ends every rank with ``comm.Abort`` instead of leaving the others waiting.
     """
 
     def __init__(self, propagator, n_steps, options=None, comm=None, partition=None,
-                 abort_on_error=True, norm_comm=None):
+                 abort_on_error=True, norm_comm=None, overlap=True):
         if not callable(getattr(propagator, "step", None)):
             raise TypeError(f"propagator {type(propagator).__name__} has no step(u, start, stop, "
                             "level) method")
@@ -124,6 +134,7 @@ class MGRITSolver:
                              f"{self.halo.size} ranks")
         self.partition = partition
         self.abort = abort_on_error
+        self.overlap = bool(overlap)
         self.levels = [_Level(lev, n, o.cf ** lev, partition, self.halo.rank)
                        for lev, n in enumerate(self.sizes)]
         self._step_seconds = 0.0
@@ -162,6 +173,8 @@ class MGRITSolver:
         need_left = a >= 1 and target(a)
         send_right = b <= n and target(b)
         recv = halo.irecv(self._template, L.left, t) if need_left else None
+        if recv is not None and not self.overlap:
+            recv = (_Done(), halo.wait(recv), time.perf_counter())
         head = []  # targets that depend on the left halo
         j = a
         while need_left and j < b and target(j):
@@ -175,7 +188,7 @@ class MGRITSolver:
             U[j] = v if G is None else v + G[j]
 
         tail = []
-        if send_right and (b - 1) not in done:
+        if send_right and (b - 1) not in done and self.overlap:
             j = b - 1
             while j >= max(a, 1) and target(j) and j not in done:
                 tail.append(j)
@@ -206,13 +219,17 @@ class MGRITSolver:
             return out
         t = tag(name, lev)
         recv = halo.irecv(self._template, L.left, t) if a >= 1 and target(a) else None
+        if recv is not None and not self.overlap:
+            recv = (_Done(), halo.wait(recv), time.perf_counter())
         send = (halo.isend(self._boundary_value(U, lev), L.right, t)
-                if b <= n and target(b) else None)
+                if b <= n and target(b) and self.overlap else None)
         for j in range(max(a + 1, 1), b):
             if target(j):
                 out[j] = self._phi(U[j - 1], j - 1, lev)
         if recv is not None:
             out[a] = self._from_left(halo.wait(recv), lev)
+        if b <= n and target(b) and not self.overlap:
+            send = halo.isend(self._boundary_value(U, lev), L.right, t)
         if send is not None:
             halo.wait(send)
         return out
@@ -306,7 +323,7 @@ class MGRITSolver:
     def _solve(self, u0, initial_guess):
         t_start = time.perf_counter()
         self._step_seconds = 0.0
-        self.halo.timers.update(halo_wait=0.0, allreduce=0.0)
+        self.halo.timers.update(halo_wait=0.0, recv_wait=0.0, halo_total=0.0, allreduce=0.0)
         o, N = self.options, self.n_steps
         self._template = u0
         L0 = self.levels[0]

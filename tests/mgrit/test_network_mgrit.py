@@ -159,3 +159,21 @@ def test_bad_network_options_name_the_value():
         mgnn.LayerParallel(m, fwd={"cf": 2})
     with pytest.raises(TypeError, match="warm_start"):
         mgnn.LayerParallel(m, warm_start="yes")
+
+
+@pytest.mark.parametrize("levels, cf, nrelax", [(3, 4, [0, 1]), (2, 2, 1), (4, 2, [0, 1, 2])])
+def test_critical_path_model(levels, cf, nrelax):
+    """On one rank the critical path is all the work and no messages; more ranks shorten it but
+    never below the sequential coarsest solve; the whole-solve path adds the final F-relaxation."""
+    from mgnn.mgrit import cycle_critical_path, solve_critical_path
+    opts = MGRITOptions(cf=cf, max_levels=levels, nrelax=nrelax)
+    sizes = level_sizes(256, cf, levels, 2)
+    work = cycle_work(sizes, cf, opts.nrelax_on)
+    assert cycle_critical_path(sizes, opts.nrelax_on, 1) == (work, 0)
+    previous = work
+    for ranks in (2, 4, 8, 64):
+        steps, msgs = cycle_critical_path(sizes, opts.nrelax_on, ranks)
+        assert sizes[-1] <= steps < previous and msgs > 0
+        previous = steps
+    steps, _ = solve_critical_path(sizes, opts.nrelax_on, 1, cycles=2)
+    assert steps == 2 * work + sizes[0] - sizes[1]

@@ -64,8 +64,8 @@ def case_solver():
             continue  # hierarchy does not fit
         u0 = np.random.default_rng(n).standard_normal((2, 3))
         serial = MGRITSolver(Tanh(n), n, opts).solve(u0)
-        for prop in (Tanh(n), PullTanh(n)):
-            res = MGRITSolver(prop, n, opts, comm=COMM).solve(u0)
+        for prop, overlap in ((Tanh(n), True), (PullTanh(n), True), (Tanh(n), False)):
+            res = MGRITSolver(prop, n, opts, comm=COMM, overlap=overlap).solve(u0)
             if res.iterations != serial.iterations or len(res.residuals) != len(serial.residuals):
                 raise AssertionError(f"rank {RANK}: cycle counts differ for {opts}")
             _close(res.residuals, serial.residuals, 1e-12, f"residuals {opts}")

@@ -113,3 +113,20 @@ def test_checkpoint_is_independent_of_the_rank_count(tmp_path):
 def test_cli_bad_rank_grid_is_a_clean_error():
     proc = mpirun(2, "-m", "mgnn", "train", "--layer-ranks", "3", timeout=120)
     assert proc.returncode != 0 and "--layer-ranks 3 x --data-ranks 1 != 2" in proc.stderr
+
+
+def test_bench_scaling_quick_runs_and_reports_every_field():
+    """The scaling driver (timings are reported, never asserted)."""
+    env = dict(os.environ, PYTHONPATH=REPO)
+    proc = subprocess.run([sys.executable, "-m", "mgnn", "bench", "scaling", "--quick",
+                           "--ranks", "1,2", "--json", "--n-layers", "32", "--repeats", "1"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [(r["ranks"], r["overlap"]) for r in rows] == [(1, True), (1, False), (2, True),
+                                                          (2, False)]
+    for r in rows:
+        assert r["time_s"] > 0 and r["predicted_s"] > 0 and r["t_step_us"] > 0
+        assert 0 <= r["exposed_halo_pct"] <= 100.0 + 1e-9
+        assert r["speedup"] > 0 and r["model_efficiency"] > 0
+    assert rows[2]["t_msg_us"] > 0 and rows[0]["exposed_halo_pct"] == 0
