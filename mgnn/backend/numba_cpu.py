@@ -273,23 +273,6 @@ def _conv_forward(x, K, b, h, act, residual, want_deriv):
 
 
 @njit(cache=True, parallel=True)
-def _conv_deriv(x, K, b, act):
-    B, _, H, Wd = x.shape
-    co_n = K.shape[0]
-    D = np.empty((B, co_n, H, Wd), dtype=x.dtype)
-    for bi in prange(B):
-        xp = _pad_sample(x, bi)
-        acc = np.empty((H, Wd), dtype=x.dtype)
-        for co in range(co_n):
-            acc[:] = b[co]
-            _conv_plane(xp, K, co, acc)
-            for yy in range(H):
-                for xx in range(Wd):
-                    D[bi, co, yy, xx] = _dsig(acc[yy, xx], act)
-    return D
-
-
-@njit(cache=True, parallel=True)
 def _conv_vjp_input(s, gy, K, h, residual, ci_n):
     """[gy +] h conv3x3^T(s, K); s (B, co, H, W) -> (B, ci, H, W).
 
@@ -376,7 +359,7 @@ def conv_forward_deriv(x, K, b, h, act, residual):
 
 
 def conv_deriv(x, K, b, act):
-    return _conv_deriv(x, K, b, act)
+    return _conv_forward(x, K, b, x.dtype.type(1), act, False, True)[1]
 
 
 def conv_vjp_input(gy, deriv, K, h, residual):

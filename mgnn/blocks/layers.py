@@ -113,8 +113,28 @@ class ConvStep(_StepKind):
         return (batch, self.channels) + self.image_size
 
 
-class DenseOpening:
+class _Opening:
+    """Shared code of the opening kinds: u_0 = sigma(A x + a) with the kernels named below."""
+
+    _fwd_deriv = _vjp = None  # backend kernel names
+
+    def forward(self, params, x, bk):
+        """(u_0, sigma'(z) for :meth:`vjp`)."""
+        one = x.dtype.type(1)
+        return getattr(bk, self._fwd_deriv)(x, params["weight"], params["bias"], one, self.act,
+                                            False)
+
+    def vjp(self, params, x, deriv, g, bk):
+        """(gx shaped like x, {'weight', 'bias'}) for the cotangent g of u_0."""
+        one = x.dtype.type(1)
+        gx, gW, gb = getattr(bk, self._vjp)(g, deriv, x, params["weight"], one, False)
+        return gx, {"weight": gW, "bias": gb}
+
+
+class DenseOpening(_Opening):
     """u_0 = sigma(x A^T + a); x (B, i) -> (B, w); A (w, i), a (w,)."""
+
+    _fwd_deriv, _vjp = "dense_forward_deriv", "dense_vjp"
 
     def __init__(self, in_features, width, activation="tanh"):
         self.in_features, self.width = int(in_features), int(width)
@@ -128,20 +148,11 @@ class DenseOpening:
         """Shape of one sample: (i,)."""
         return (self.in_features,)
 
-    def forward(self, params, x, bk):
-        """(u_0 (B, w), sigma'(z) for :meth:`vjp`)."""
-        one = x.dtype.type(1)
-        return bk.dense_forward_deriv(x, params["weight"], params["bias"], one, self.act, False)
 
-    def vjp(self, params, x, deriv, g, bk):
-        """(gx (B, i), {'weight', 'bias'}) for the cotangent g of u_0."""
-        one = x.dtype.type(1)
-        gx, gW, gb = bk.dense_vjp(g, deriv, x, params["weight"], one, False)
-        return gx, {"weight": gW, "bias": gb}
-
-
-class ConvOpening:
+class ConvOpening(_Opening):
     """u_0 = sigma(conv3x3(x, K) + a); x (B, ci, H, W) -> (B, C, H, W); K (C, ci, 3, 3)."""
+
+    _fwd_deriv, _vjp = "conv_forward_deriv", "conv_vjp"
 
     def __init__(self, in_channels, channels, image_size, activation="tanh"):
         self.in_channels, self.channels = int(in_channels), int(channels)
@@ -155,17 +166,6 @@ class ConvOpening:
     def input_shape(self):
         """(ci, H, W)."""
         return (self.in_channels,) + self.image_size
-
-    def forward(self, params, x, bk):
-        """(u_0 (B, C, H, W), sigma'(z))."""
-        one = x.dtype.type(1)
-        return bk.conv_forward_deriv(x, params["weight"], params["bias"], one, self.act, False)
-
-    def vjp(self, params, x, deriv, g, bk):
-        """(gx (B, ci, H, W), {'weight', 'bias'})."""
-        one = x.dtype.type(1)
-        gx, gK, gb = bk.conv_vjp(g, deriv, x, params["weight"], one, False)
-        return gx, {"weight": gK, "bias": gb}
 
 
 class DenseClosing:
