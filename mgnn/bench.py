@@ -87,10 +87,30 @@ def bench_conv_kernel(channels=8, batch=32, size=28, dtype="float32", seed=0):
             "target": "speed-up over the reference (informational)"}
 
 
+def _blas_threads(n):
+    """Context limiting BLAS threads to ``n`` (threadpoolctl), or a no-op if it is missing."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        import contextlib
+        return contextlib.nullcontext()
+    return threadpool_limits(limits=n, user_api="blas")
+
+
 def run_kernels(quick=False):
-    """All kernel benchmarks; returns a list of result dicts."""
-    out = [bench_dense_kernel(), bench_dense_kernel(dtype="float64"),
-           bench_layer_overhead(), bench_layer_overhead(backend="numpy")]
+    """All kernel benchmarks; returns a list of result dicts.
+
+    The dense step is measured with the default BLAS threads and with 1 BLAS thread (the setting
+    of every MPI rank), kernel and baseline always under the same setting.
+    """
+    out = []
+    for dtype in ("float32", "float64"):
+        out.append(bench_dense_kernel(dtype=dtype))
+        with _blas_threads(1):
+            r = bench_dense_kernel(dtype=dtype)
+        r["name"] += " 1 BLAS thread"
+        out.append(r)
+    out += [bench_layer_overhead(), bench_layer_overhead(backend="numpy")]
     if not quick:
         out.append(bench_conv_kernel())
     return out

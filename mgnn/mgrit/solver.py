@@ -17,6 +17,8 @@ The coarsest level is solved sequentially across ranks.
 """
 import math
 import time
+
+import numpy as np
 from dataclasses import dataclass, field
 
 from ..comm import abort_on_error, make_halo
@@ -51,6 +53,9 @@ class MGRITResult:
 
 def _norm2(a):
     """Squared 2-norm of an array (real or complex), as a Python float."""
+    if isinstance(a, np.ndarray):
+        flat = a.reshape(-1)
+        return float(np.vdot(flat, flat).real)
     if a.dtype.kind == "c":
         return float((a.conj() * a).real.sum())
     return float((a * a).sum())
@@ -258,17 +263,17 @@ class MGRITSolver:
             return V, None, 0.0
         self._f_relax(U, G, lev)
         phis = self._phis(lev, U, lambda j: j % cf == 0, "residual")
-        R, r2 = {}, 0.0
+        Gc, r2 = [None] * (C.n + 1), 0.0
         for c, phi in phis.items():
-            r = phi - U[c]
+            r = phi - U[c]  # a new array: the in-place updates below touch nothing else
             if G is not None:
-                r = r + G[c]
+                r += G[c]
             r2 += _norm2(r)
-            R[c // cf] = r
+            Gc[c // cf] = r
         coarse_phis = self._phis(lev + 1, V, lambda i: True, "fas_rhs")
-        Gc = [None] * (C.n + 1)
         for i, phi in coarse_phis.items():
-            Gc[i] = R[i] + V[i] - phi
+            Gc[i] += V[i]
+            Gc[i] -= phi
         return V, Gc, r2
 
     def _cycle(self, lev, U, G, kind, skip):
