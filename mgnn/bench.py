@@ -236,7 +236,8 @@ def scaling_worker(n_layers=256, width=64, batch=64, levels=3, cf=4, fwd_iters=2
     out = []
     for overlap in (True, False):
         lp = LayerParallel(model, fwd=fwd, bwd=bwd, comm=comm, overlap=overlap)
-        lp.loss_and_grad(x, y)
+        for _ in range(3):  # warm-up: compilation, first-touch allocations
+            lp.loss_and_grad(x, y)
         times, acc = [], {}
         for _ in range(repeats):
             comm.Barrier()
