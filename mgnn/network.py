@@ -293,6 +293,7 @@ class LayerParallel:
         self.owned = self._owned_mask()
         self.stats = {}
         self._previous_states = None
+        self._solvers = {}
 
     @property
     def replica(self):
@@ -386,14 +387,30 @@ class LayerParallel:
                 y = self._check_y(y, x.shape[0])
         except (ValueError, TypeError) as exc:
             err = exc
-        agree_on_errors(self.layout.comm, err)
+        lay = self.layout
+        batches = agree_on_errors(lay.comm, err, x.shape[0] if err is None else None)
+        L = lay.layer_size
+        for replica in range(lay.data_ranks):
+            mine = batches[replica * L:(replica + 1) * L]
+            if len(set(mine)) > 1:
+                raise ValueError(f"the layer ranks of replica {replica} passed batches of sizes "
+                                 f"{mine}; every layer rank of a replica must pass the same shard")
         return x, y
 
-    def _solver(self, prop, opts, partition):
-        lay = self.layout
-        return MGRITSolver(prop, self.model.n_layers, opts, comm=lay.layer_comm,
-                           partition=partition, norm_comm=lay.comm, abort_on_error=False,
-                           overlap=self.overlap)
+    def _solver(self, kind, opts):
+        """The cached solver for 'forward' or 'adjoint' propagation under ``opts`` (built once:
+        construction duplicates the layer communicator)."""
+        key = (kind, id(opts))  # opts are this object's own, alive as long as it is
+        if key not in self._solvers:
+            lay, m = self.layout, self.model
+            if kind == "forward":
+                prop, part = ForwardPropagator(m, self.bk), self.partition
+            else:
+                prop, part = AdjointPropagator(m, None, None, self.bk), self.adjoint_partition
+            self._solvers[key] = MGRITSolver(prop, m.n_layers, opts, comm=lay.layer_comm,
+                                             partition=part, norm_comm=lay.comm,
+                                             abort_on_error=False, overlap=self.overlap)
+        return self._solvers[key]
 
     def _distributed_forward(self, x, opts, guess=None):
         """(MGRITResult of the forward solve, opening's sigma' or None): states on their owners."""
@@ -402,7 +419,7 @@ class LayerParallel:
             u0, d_open = m.opening.forward(m.group("opening"), x, bk)
         else:
             u0, d_open = np.zeros(m.step.state_shape(x.shape[0]), dtype=m.dtype), None
-        res = self._solver(ForwardPropagator(m, bk), opts, self.partition).solve(u0, guess)
+        res = self._solver("forward", opts).solve(u0, guess)
         return res, d_open
 
     def logits(self, x):
@@ -494,8 +511,9 @@ class LayerParallel:
             for k, v in gc.items():
                 grads[f"closing.{k}"][...] = v
             buckets.start("closing.weight", "closing.bias")
-        adj = self._solver(AdjointPropagator(m, U, D, bk), self.bwd or self._serial_opts,
-                           self.adjoint_partition).solve(lam_N)
+        solver = self._solver("adjoint", self.bwd or self._serial_opts)
+        solver.prop.U, solver.prop.D = U, D
+        adj = solver.solve(lam_N)
         add(adj)
         if self.bwd is not None:
             stats["adjoint"] = {"residuals": list(adj.residuals), "iterations": adj.iterations}

@@ -134,9 +134,14 @@ def distributed_checkpoint(path, lp, optimizer, epoch, step, rng, meta=None):
     state = {k: (lp.gather_params(v) if getattr(v, "shape", None) == (n,) else v)
              for k, v in optimizer.state_dict().items()}
     comm = lp.layout.comm
+    err = None
     if comm.Get_rank() == 0:
-        save_checkpoint(path, lp.model, optimizer, epoch, step, rng, meta, params, state)
-    comm.Barrier()
+        try:
+            save_checkpoint(path, lp.model, optimizer, epoch, step, rng, meta, params, state)
+        except (OSError, ValueError, TypeError) as exc:
+            err = ValueError(f"cannot write checkpoint {path}: {exc}")
+    from .comm import agree_on_errors
+    agree_on_errors(comm, err)  # also the barrier: every rank returns once the file is on disk
 
 
 def _add_timings(total, stats):
@@ -178,6 +183,9 @@ def fit(lp, optimizer, x_train, y_train, x_test, y_test, *, epochs, batch_size, 
     for epoch in range(start_epoch, epochs):
         t0 = time.perf_counter()
         idx = [b for b in batches(len(y_train), batch_size, rng) if len(b) >= replicas]
+        if not idx:
+            raise ValueError(f"no training batch: {len(y_train)} samples, batch_size "
+                             f"{batch_size}, {replicas} replicas")
         bar = Progress(len(idx), f"epoch {epoch + 1}/{epochs}", enabled=progress)
         total = 0.0
         for j, b in enumerate(idx):
@@ -193,6 +201,8 @@ def fit(lp, optimizer, x_train, y_train, x_test, y_test, *, epochs, batch_size, 
             step += 1
             bar.update(j + 1, f"loss {total / (j + 1):.4f}")
         train_s = time.perf_counter() - t0
+        if lp.distributed:  # every rank holds the current model again (others' layers included)
+            lp.model.params.flat[:] = lp.gather_params()
         acc = evaluate(lp, x_test, y_test)
         rec = {"epoch": epoch + 1, "loss": total / len(idx), "test_accuracy": acc,
                "seconds": time.perf_counter() - t0, "ms_per_batch": 1e3 * train_s / len(idx)}

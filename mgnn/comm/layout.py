@@ -64,21 +64,24 @@ def abort_on_error(comm, what="mgnn"):
                          f"{what}: rank {rank}: aborting all {comm.Get_size()} ranks\n")
         sys.stderr.flush()
         comm.Abort(1)
+        raise  # Abort should not return; if it does, the error must not be swallowed
 
 
-def agree_on_errors(comm, error):
-    """Collective: every rank passes the exception it hit in validation (or None); if any rank
-    has one, every rank raises the same ``ValueError``/``TypeError`` naming the first failing
-    rank, so no rank is left waiting for the others."""
+def agree_on_errors(comm, error, extra=None):
+    """Collective: every rank passes the exception it hit in validation (or None) and any
+    picklable ``extra``; if any rank has an exception, every rank raises the same
+    ``ValueError``/``TypeError`` naming the first failing rank, so no rank is left waiting for
+    the others. Returns the list of every rank's ``extra`` (rank order)."""
     if comm is None or comm.Get_size() == 1:
         if error is not None:
             raise error
-        return
+        return [extra]
     msg = None if error is None else (type(error).__name__, str(error))
-    msgs = comm.allgather(msg)
-    for rank, m in enumerate(msgs):
+    gathered = comm.allgather((msg, extra))
+    for rank, (m, _) in enumerate(gathered):
         if m is not None:
             kind = TypeError if m[0] == "TypeError" else ValueError
             if error is not None and rank == comm.Get_rank():
                 raise error
             raise kind(f"rank {rank}: {m[1]}")
+    return [e for _, e in gathered]

@@ -48,6 +48,18 @@ class Partition:
     starts: tuple
     ranks: tuple
 
+    def __post_init__(self):
+        st, rk = tuple(self.starts), tuple(self.ranks)
+        if len(st) != len(rk) or not st:
+            raise ValueError(f"Partition needs one rank per block: starts {st}, ranks {rk}")
+        if st[0] != 0 or any(b <= a for a, b in zip(st, st[1:])) or st[-1] > self.n_steps:
+            raise ValueError(f"Partition starts {st} must begin at 0, increase strictly and stay "
+                             f"<= n_steps={self.n_steps}")
+        if len(set(rk)) != len(rk):
+            raise ValueError(f"Partition ranks {rk} hold more than one block each")
+        object.__setattr__(self, "starts", st)
+        object.__setattr__(self, "ranks", rk)
+
     @classmethod
     def serial(cls, n_steps):
         """Everything on rank 0."""

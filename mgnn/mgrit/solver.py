@@ -103,7 +103,9 @@ class MGRITSolver:
         N (fine indices 0..N).
     options : MGRITOptions
     comm : mpi4py communicator or None
-        The ranks that share the layers (None or size 1: serial). Every rank calls :meth:`solve`.
+        The ranks that share the layers (None or size 1: serial). Every rank constructs the
+        solver (collective: the communicator is duplicated once, so MGRIT's messages never mix
+        with the caller's) and calls :meth:`solve`; a solver can solve many times.
     partition : Partition or None
         Which rank holds which fine indices; default: blocks over the ranks of ``comm`` in rank
         order, each starting on a level-0 C-point.
@@ -128,8 +130,11 @@ class MGRITSolver:
             raise TypeError(f"options must be MGRITOptions, got {type(self.options).__name__}")
         o = self.options
         self.sizes = hierarchy(n_steps, o)
-        self.prop, self.n_steps, self.comm = propagator, n_steps, comm
+        self.prop, self.n_steps = propagator, n_steps
         self.pull = bool(getattr(propagator, "pull", False))
+        if comm is not None and comm.Get_size() > 1:
+            comm = comm.Dup()  # private context: MGRIT messages never meet the user's own
+        self.comm = comm
         self.halo = make_halo(comm, norm_comm)
         if partition is None:
             starts = block_starts(n_steps + 1, self.halo.size, align=o.cf)
@@ -154,9 +159,19 @@ class MGRITSolver:
         return out
 
     def _boundary_value(self, U, lev):
-        """What the right neighbour receives: Phi(u_{b-1}) (push) or u_{b-1} (pull)."""
+        """What the right neighbour receives: Phi(u_{b-1}) (push) or u_{b-1} (pull), checked
+        against the state's shape and dtype (MPI would silently truncate or half-fill)."""
         b = self.levels[lev].b
-        return U[b - 1] if self.pull else self._phi(U[b - 1], b - 1, lev)
+        v = U[b - 1] if self.pull else self._phi(U[b - 1], b - 1, lev)
+        self._check_state(v, f"the state sent from point {b - 1} of level {lev}")
+        return v
+
+    def _check_state(self, v, what):
+        t = self._template
+        if getattr(v, "shape", None) != t.shape or getattr(v, "dtype", None) != t.dtype:
+            raise TypeError(f"{what} has shape {getattr(v, 'shape', None)} and dtype "
+                            f"{getattr(v, 'dtype', type(v).__name__)}, but u0 has {t.shape} "
+                            f"{t.dtype}: every state must match u0 (no silent casts)")
 
     def _from_left(self, msg, lev):
         """Phi(u_{a-1}) from the left neighbour's message."""
@@ -207,7 +222,8 @@ class MGRITSolver:
                 step_to(j)
         if head:
             phi = self._from_left(halo.wait(recv), lev)
-            U[a] = phi if G is None else phi + G[a]
+            # the receive buffer is reused by later messages: never keep it as a state
+            U[a] = (phi if self.pull else phi.copy()) if G is None else phi + G[a]
             for j in head[1:]:
                 step_to(j)
         if send_right and not sends:
@@ -333,11 +349,16 @@ class MGRITSolver:
         self._template = u0
         L0 = self.levels[0]
         U = [None] * (N + 1)
+        if not hasattr(u0, "shape") or not hasattr(u0, "dtype"):
+            raise TypeError(f"u0 must be an array, got {type(u0).__name__}")
         for c in range(-(-L0.a // o.cf) * o.cf, L0.b, o.cf):
             if c == 0:
                 U[0] = u0
+            elif initial_guess is not None:
+                U[c] = initial_guess(c)
+                self._check_state(U[c], f"initial_guess({c})")
             else:
-                U[c] = initial_guess(c) if initial_guess is not None else u0 * 0
+                U[c] = u0 * 0
         result = MGRITResult()
         if len(self.sizes) == 1:
             self._update(0, U, None, lambda j: True, "coarsest")

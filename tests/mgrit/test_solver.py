@@ -165,3 +165,19 @@ def test_bad_options_and_divergence():
         MGRITSolver(Dahlquist(-1.0, 0.5, "BE"), 8, MGRITOptions(max_levels=2, tol=0.0)).solve(
             np.array([1.0]), initial_guess=lambda i: np.array([np.inf]) if i == 4 else
             np.array([0.0]))
+
+
+def test_partition_and_state_validation():
+    from mgnn.mgrit.partition import Partition
+    with pytest.raises(ValueError, match="increase strictly"):
+        Partition(10, (0, 6, 3), (0, 1, 2))
+    with pytest.raises(ValueError, match="one rank per block"):
+        Partition(10, (0, 5), (0,))
+    with pytest.raises(ValueError, match="begin at 0"):
+        Partition(10, (1, 5), (0, 1))
+    opts = MGRITOptions(cf=2, max_levels=2)
+    with pytest.raises(TypeError, match=r"initial_guess\(2\).*float32"):
+        MGRITSolver(Dahlquist(-1.0, 0.1, "BE"), 8, opts).solve(
+            np.ones(1, np.float32), initial_guess=lambda i: np.ones(1))
+    with pytest.raises(TypeError, match="u0 must be an array"):
+        MGRITSolver(Dahlquist(-1.0, 0.1, "BE"), 8, opts).solve([1.0])

@@ -201,5 +201,50 @@ def case_bad_input():
         print(json.dumps({"case": "bad_input", "ranks": SIZE, "message": msg}))
 
 
+def case_robustness():
+    """Review findings: repeated solves keep earlier results; mismatched shards between layer
+    ranks and a checkpoint that cannot be written raise on every rank instead of hanging."""
+    import tempfile
+
+    import mgnn
+    from mgnn.train import distributed_checkpoint
+    n = 4 * SIZE
+    opts = MGRITOptions(max_levels=1)
+    solver = MGRITSolver(Tanh(n), n, opts, comm=COMM)
+    first = solver.solve(np.ones((2, 3)))
+    kept = {i: s.copy() for i, s in enumerate(first.states) if s is not None}
+    solver.solve(np.full((2, 3), 5.0))
+    for i, s in kept.items():
+        if not np.array_equal(first.states[i], s):
+            raise AssertionError(f"rank {RANK}: state {i} of the first solve was overwritten")
+    model = mgnn.dense_resnet(5, 4, 3, 8, seed=1)
+    lp = mgnn.LayerParallel(model, comm=COMM, backend="numpy")
+    batch = 3 if RANK == SIZE - 1 else 2
+    try:
+        lp.loss_and_grad(np.ones((batch, 5)), np.zeros(batch, dtype=np.int64))
+    except ValueError as exc:
+        if "batches of sizes" not in str(exc):
+            raise
+    else:
+        raise AssertionError(f"rank {RANK}: mismatched shards accepted")
+    blocker = os.path.join(tempfile.gettempdir(), f"mgnn-not-a-dir-{os.getppid()}")
+    if RANK == 0:
+        open(blocker, "w").close()
+    COMM.Barrier()
+    opt = mgnn.Adam(model.params.flat)
+    try:
+        distributed_checkpoint(os.path.join(blocker, "c.npz"), lp, opt, 1, 1,
+                               np.random.default_rng(0))
+    except ValueError as exc:
+        if "cannot write checkpoint" not in str(exc):
+            raise
+    else:
+        raise AssertionError(f"rank {RANK}: unwritable checkpoint accepted")
+    COMM.Barrier()
+    if RANK == 0:
+        os.unlink(blocker)
+        print(json.dumps({"case": "robustness", "ranks": SIZE}))
+
+
 if __name__ == "__main__":
     globals()[f"case_{sys.argv[1]}"]()

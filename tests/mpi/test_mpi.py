@@ -130,3 +130,8 @@ def test_bench_scaling_quick_runs_and_reports_every_field():
         assert 0 <= r["exposed_halo_pct"] <= 100.0 + 1e-9
         assert r["speedup"] > 0 and r["model_efficiency"] > 0
     assert rows[2]["t_msg_us"] > 0 and rows[0]["exposed_halo_pct"] == 0
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_repeated_solves_mismatched_shards_and_unwritable_checkpoints(ranks):
+    assert _json(mpirun(ranks, "-m", "tests.mpi.mpi_cases", "robustness", timeout=120))["ranks"]
