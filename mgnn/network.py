@@ -182,6 +182,8 @@ class ForwardPropagator:
     layer at the coarse point) with step size ``(stop - start) h``.
     """
 
+    fresh_outputs = True  # every step returns a new array
+
     def __init__(self, model, bk):
         self.kind, self.bk = model.step, bk
         steps = model.group("steps")
@@ -209,6 +211,7 @@ class AdjointPropagator:
     """
 
     pull = True
+    fresh_outputs = True
 
     def __init__(self, model, states, derivs, bk):
         self.kind, self.bk = model.step, bk

@@ -98,7 +98,10 @@ class MGRITSolver:
 
     Parameters
     ----------
-    propagator : object with ``step(u, start, stop, level)``; optional attribute ``pull`` (bool)
+    propagator : object with ``step(u, start, stop, level)``
+        Optional attributes: ``pull`` (bool, see the module notes) and ``fresh_outputs`` (bool:
+        every step returns a new array the solver may update in place, saving a copy per
+        coarse-level step).
     n_steps : int
         N (fine indices 0..N).
     options : MGRITOptions
@@ -132,6 +135,7 @@ class MGRITSolver:
         self.sizes = hierarchy(n_steps, o)
         self.prop, self.n_steps = propagator, n_steps
         self.pull = bool(getattr(propagator, "pull", False))
+        self.fresh = bool(getattr(propagator, "fresh_outputs", False))
         if comm is not None and comm.Get_size() > 1:
             comm = comm.Dup()  # private context: MGRIT messages never meet the user's own
         self.comm = comm
@@ -205,7 +209,13 @@ class MGRITSolver:
 
         def step_to(j):
             v = self._phi(U[j - 1], j - 1, lev)
-            U[j] = v if G is None else v + G[j]
+            if G is None:
+                U[j] = v
+            elif self.fresh:
+                v += G[j]  # the propagator promised a new array: add the FAS rhs in place
+                U[j] = v
+            else:
+                U[j] = v + G[j]
 
         tail = []
         if send_right and (b - 1) not in done and self.overlap:
