@@ -8,7 +8,7 @@ import numbers
 
 import numpy as np
 
-from .backend import check_dtype, get_backend
+from .backend import check_dtype, get_backend, vector_ops
 from .comm import Layout, abort_on_error, agree_on_errors
 from .comm.halo import tag
 from .mgrit import MGRITOptions, MGRITSolver, hierarchy
@@ -412,7 +412,8 @@ class LayerParallel:
                 prop, part = AdjointPropagator(m, None, None, self.bk), self.adjoint_partition
             self._solvers[key] = MGRITSolver(prop, m.n_layers, opts, comm=lay.layer_comm,
                                              partition=part, norm_comm=lay.comm,
-                                             abort_on_error=False, overlap=self.overlap)
+                                             abort_on_error=False, overlap=self.overlap,
+                                             ops=vector_ops(self.backend))
         return self._solvers[key]
 
     def _distributed_forward(self, x, opts, guess=None):
@@ -473,8 +474,8 @@ class LayerParallel:
         t_start = time.perf_counter()
         m, bk, lay = self.model, self.bk, self.layout
         N = m.n_layers
-        timings = {"steps": 0.0, "halo_wait": 0.0, "recv_wait": 0.0, "halo_total": 0.0,
-                   "allreduce": 0.0}
+        timings = {"steps": 0.0, "vector": 0.0, "halo_wait": 0.0, "recv_wait": 0.0,
+                   "halo_total": 0.0, "allreduce": 0.0}
 
         def add(res):
             for k in timings:
@@ -536,8 +537,8 @@ class LayerParallel:
         loss = loss_part if lay.comm is None else lay.comm.allreduce(loss_part)
         timings["allreduce"] += time.perf_counter() - t0
         timings["total"] = time.perf_counter() - t_start
-        timings["other"] = timings["total"] - timings["steps"] - timings["halo_wait"] \
-            - timings["allreduce"]
+        timings["other"] = timings["total"] - timings["steps"] - timings["vector"] \
+            - timings["halo_wait"] - timings["allreduce"]
         stats["timings"] = timings
         self.stats = stats
         return float(loss), grads

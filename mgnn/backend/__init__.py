@@ -19,6 +19,17 @@ KERNELS = (
 _MODULES = {"numpy": "numpy_ref", "numba": "numba_cpu"}
 
 
+def vector_ops(name="numpy"):
+    """The MGRIT vector operations of backend ``name`` ('numpy': the generic reference that works
+    for any array type; 'numba': fused one-pass kernels)."""
+    from .fas_ops import GenericOps, NumbaOps
+    if name == "numba":
+        return NumbaOps()
+    if name == "numpy":
+        return GenericOps()
+    raise ValueError(f"unknown backend {name!r}; expected one of {sorted(_MODULES)}")
+
+
 def available_backends():
     """Names of the backends usable on this machine, e.g. ``("numpy", "numba")``."""
     return tuple(CPU_BACKENDS)

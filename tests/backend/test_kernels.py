@@ -7,6 +7,7 @@ from tests.conftest import assert_close
 
 REF = get_backend("numpy")
 FAST = [b for b in available_backends() if b != "numpy"]
+RTOL_OF = {"float32": 1e-5, "float64": 1e-12}
 DTYPES = ["float32", "float64"]
 ACTS = [0, 1, 2]
 
@@ -182,3 +183,28 @@ def test_dense_kernels_wide_path(backend, dtype, act, rng):
     for a, r, n in zip(bk.dense_vjp_params(g, dr, x, h), REF.dense_vjp_params(g, dr, x, h),
                        ("gW", "gb")):
         assert_close(a, r, dtype, n)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_g", [True, False])
+def test_vector_ops_numba_against_generic(dtype, with_g, rng):
+    from mgnn.backend import vector_ops
+    ref, fast = vector_ops("numpy"), vector_ops("numba")
+    phi, u, g, v, pc = (_rand(rng, (5, 3, 4), dtype) for _ in range(5))
+    r_ref, n_ref = ref.residual(phi, u, g if with_g else None)
+    r, n = fast.residual(phi, u, g if with_g else None)
+    assert_close(r, r_ref, dtype, "residual")
+    assert abs(n - n_ref) <= 10 * RTOL_OF[dtype] * n_ref and isinstance(n, float)
+    assert_close(fast.fas_rhs(r.copy(), v, pc), ref.fas_rhs(r_ref.copy(), v, pc), dtype, "fas")
+    assert_close(fast.correct(u, v, pc), ref.correct(u, v, pc), dtype, "correct")
+    assert_close(fast.add(u, v), ref.add(u, v), dtype, "add")
+    # anything the fused kernels do not cover falls back to the generic code
+    z = (rng.standard_normal(4) + 1j * rng.standard_normal(4))
+    assert fast.residual(z, z * 0, None)[1] == pytest.approx(float(np.vdot(z, z).real))
+    assert_close(fast.add(u, v[..., :1] * 0 + v), ref.add(u, v), dtype, "add broadcast")
+
+
+def test_vector_ops_unknown_backend():
+    from mgnn.backend import vector_ops
+    with pytest.raises(ValueError, match="'cuda9'"):
+        vector_ops("cuda9")

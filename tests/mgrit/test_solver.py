@@ -181,3 +181,16 @@ def test_partition_and_state_validation():
             np.ones(1, np.float32), initial_guess=lambda i: np.ones(1))
     with pytest.raises(TypeError, match="u0 must be an array"):
         MGRITSolver(Dahlquist(-1.0, 0.1, "BE"), 8, opts).solve([1.0])
+
+
+def test_numba_vector_ops_give_the_generic_histories(rng):
+    from mgnn.backend import vector_ops
+    prop = TanhResNet(rng.standard_normal((45, 3, 3)), rng.standard_normal((45, 3)), 0.05)
+    u0 = rng.standard_normal(3)
+    opts = MGRITOptions(cf=3, max_levels=3, nrelax=[0, 1], tol=0.0, max_iter=4)
+    a = MGRITSolver(prop, 45, opts).solve(u0)
+    b = MGRITSolver(prop, 45, opts, ops=vector_ops("numba")).solve(u0)
+    np.testing.assert_allclose(b.residuals, a.residuals, rtol=1e-12)
+    for x, y in zip(a.states, b.states):
+        np.testing.assert_allclose(x, y, rtol=1e-12, atol=1e-14)
+    assert b.timings["vector"] > 0

@@ -1,0 +1,117 @@
+"""Vector operations of the MGRIT solver (FAS residual, restriction, correction), per backend.
+
+:class:`GenericOps` uses array operators only, so it works for any array type (NumPy, CuPy,
+complex states): it is the reference. :class:`NumbaOps` fuses each operation into one pass over
+the data for C-contiguous float32/float64 NumPy arrays (and falls back to the generic code for
+anything else). Every method returns new arrays unless it says "in place".
+"""
+import numpy as np
+from numba import njit
+
+
+class GenericOps:
+    """Reference vector operations through array operators."""
+
+    name = "generic"
+
+    def residual(self, phi, u, g):
+        """(r = phi - u [+ g], ||r||^2 as a float); g may be None."""
+        r = phi - u
+        if g is not None:
+            r += g
+        return r, self.norm2(r)
+
+    def fas_rhs(self, r, v, phi_c):
+        """In place: r += v - phi_c (the coarse FAS right-hand side); returns r."""
+        r += v
+        r -= phi_c
+        return r
+
+    def correct(self, u, uc, v):
+        """u + (uc - v): the coarse-grid correction of a C-point (a new array)."""
+        return u + (uc - v)
+
+    def add(self, a, b):
+        """a + b (a new array)."""
+        return a + b
+
+    def norm2(self, a):
+        """||a||^2 (spatial 2-norm squared, real or complex) as a Python float."""
+        if isinstance(a, np.ndarray):
+            flat = a.reshape(-1)
+            return float(np.vdot(flat, flat).real)
+        if a.dtype.kind == "c":
+            return float((a.conj() * a).real.sum())
+        return float((a * a).sum())
+
+
+@njit(cache=True)
+def _residual(phi, u, g, has_g, r):
+    total = 0.0
+    for i in range(phi.size):
+        v = phi[i] - u[i]
+        if has_g:
+            v += g[i]
+        r[i] = v
+        total += v * v
+    return total
+
+
+@njit(cache=True)
+def _fas_rhs(r, v, phi_c):
+    for i in range(r.size):
+        r[i] += v[i] - phi_c[i]
+
+
+@njit(cache=True)
+def _correct(u, uc, v, out):
+    for i in range(u.size):
+        out[i] = u[i] + (uc[i] - v[i])
+
+
+@njit(cache=True)
+def _add(a, b, out):
+    for i in range(a.size):
+        out[i] = a[i] + b[i]
+
+
+def _flat_ok(*arrays):
+    a0 = arrays[0]
+    return (isinstance(a0, np.ndarray) and a0.dtype in (np.float32, np.float64)
+            and all(isinstance(a, np.ndarray) and a.dtype == a0.dtype and a.shape == a0.shape
+                    and a.flags.c_contiguous for a in arrays))
+
+
+class NumbaOps(GenericOps):
+    """One fused pass per operation (serial: these are memory-bound, and idle worker threads
+    would compete with BLAS) for contiguous float NumPy arrays."""
+
+    name = "numba"
+
+    def residual(self, phi, u, g):
+        if not _flat_ok(phi, u, *(() if g is None else (g,))):
+            return super().residual(phi, u, g)
+        r = np.empty_like(phi)
+        gf = g.reshape(-1) if g is not None else phi.reshape(-1)
+        total = _residual(phi.reshape(-1), u.reshape(-1), gf, g is not None, r.reshape(-1))
+        return r, float(total)
+
+    def fas_rhs(self, r, v, phi_c):
+        if not _flat_ok(r, v, phi_c):
+            return super().fas_rhs(r, v, phi_c)
+        _fas_rhs(r.reshape(-1), v.reshape(-1), phi_c.reshape(-1))
+        return r
+
+    def correct(self, u, uc, v):
+        if not _flat_ok(u, uc, v):
+            return super().correct(u, uc, v)
+        out = np.empty_like(u)
+        _correct(u.reshape(-1), uc.reshape(-1), v.reshape(-1), out.reshape(-1))
+        return out
+
+    def add(self, a, b):
+        if not _flat_ok(a, b):
+            return super().add(a, b)
+        out = np.empty_like(a)
+        _add(a.reshape(-1), b.reshape(-1), out.reshape(-1))
+        return out
