@@ -188,48 +188,45 @@ class MGRITSolver:
         if a >= b:
             return
         t = tag(name, lev)
+        js = [j for j in range(max(a, 1), b) if target(j)]
         need_left = a >= 1 and target(a)
         send_right = b <= n and target(b)
         recv = halo.irecv(self._template, L.left, t) if need_left else None
         if recv is not None and not self.overlap:
             recv = (_Done(), halo.wait(recv), time.perf_counter())
-        head = []  # targets that depend on the left halo
-        j = a
-        while need_left and j < b and target(j):
-            head.append(j)
-            j += 1
-        done = set(head)
+        n_head = 0  # js[:n_head] depend on the left halo: the chain a, a+1, ...
+        if need_left:
+            while n_head < len(js) and js[n_head] == a + n_head:
+                n_head += 1
+        n_tail = 0  # js[len - n_tail:] feed the right neighbour: the chain ..., b-2, b-1
+        if send_right and self.overlap:
+            while (n_tail < len(js) - n_head and js[-1 - n_tail] == b - 1 - n_tail):
+                n_tail += 1
+        phi, prop_fresh, ops = self._phi, self.fresh, self.ops
+
+        def run(points):
+            for j in points:
+                v = phi(U[j - 1], j - 1, lev)
+                if G is None:
+                    U[j] = v
+                elif prop_fresh:
+                    v += G[j]  # the propagator promised a new array: add the rhs in place
+                    U[j] = v
+                else:
+                    U[j] = ops.add(v, G[j])
+
         sends = []
-
-        def step_to(j):
-            v = self._phi(U[j - 1], j - 1, lev)
-            if G is None:
-                U[j] = v
-            elif self.fresh:
-                v += G[j]  # the propagator promised a new array: add the FAS rhs in place
-                U[j] = v
-            else:
-                U[j] = self.ops.add(v, G[j])
-
-        tail = []
-        if send_right and (b - 1) not in done and self.overlap:
-            j = b - 1
-            while j >= max(a, 1) and target(j) and j not in done:
-                tail.append(j)
-                j -= 1
-            for j in reversed(tail):
-                step_to(j)
-            done.update(tail)
+        if send_right and self.overlap and (n_tail or not js or js[-1] != b - 1):
+            run(js[len(js) - n_tail:])
             sends.append(halo.isend(self._boundary_value(U, lev), L.right, t))
-        for j in range(max(a, 1), b):
-            if target(j) and j not in done:
-                step_to(j)
-        if head:
-            phi = self._from_left(halo.wait(recv), lev)
+        else:
+            n_tail = 0
+        run(js[n_head:len(js) - n_tail])
+        if need_left:
+            first = self._from_left(halo.wait(recv), lev)
             # the receive buffer is reused by later messages: never keep it as a state
-            U[a] = (phi if self.pull else phi.copy()) if G is None else self.ops.add(phi, G[a])
-            for j in head[1:]:
-                step_to(j)
+            U[a] = (first if self.pull else first.copy()) if G is None else ops.add(first, G[a])
+            run(js[1:n_head])
         if send_right and not sends:
             sends.append(halo.isend(self._boundary_value(U, lev), L.right, t))
         for s in sends:
