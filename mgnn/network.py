@@ -522,10 +522,15 @@ class LayerParallel:
         if self.bwd is not None:
             stats["adjoint"] = {"residuals": list(adj.residuals), "iterations": adj.iterations}
         lam = adj.states[::-1]  # lam[n] = adjoint at forward index n (owned entries)
-        self._exchange_adjoint_halo(lam, timings)
+        # lam at the next rank's first index is needed only by the last owned layer: its
+        # message overlaps the parameter gradients of all the other layers
+        finish = self._exchange_adjoint_halo(lam, timings)
         gW, gb = grads["steps.weight"], grads["steps.bias"]
         for n in self.layers:
+            if lam[n + 1] is None:
+                finish()
             gW[n], gb[n] = m.step.vjp_params(U[n], m.h, lam[n + 1], D[n], bk)
+        finish()
         buckets.start("steps.weight", "steps.bias", self.layers.start, self.layers.stop)
         if lay.first:
             _, go = m.opening.vjp(m.group("opening"), x, d_open, lam[0], bk)
@@ -544,11 +549,11 @@ class LayerParallel:
         return float(loss), grads
 
     def _exchange_adjoint_halo(self, lam, timings):
-        """lam at forward index hi (first point of the next layer rank) for the last owned layer."""
-        import time
+        """Start the exchange of lam at forward index hi (the next layer rank's first point, needed
+        by this rank's last layer); returns a callable that completes it (idempotent)."""
         lay = self.layout
         if lay.layer_size == 1:
-            return
+            return lambda: None
         if getattr(self, "_halo", None) is None:
             from .comm import make_halo
             self._halo = make_halo(lay.layer_comm)
@@ -559,13 +564,19 @@ class LayerParallel:
         template = lam[lo]
         recv = halo.irecv(template, lay.layer_rank + 1, t) if not lay.last else None
         send = halo.isend(lam[lo], lay.layer_rank - 1, t) if not lay.first else None
-        if recv is not None:
-            lam[hi] = halo.wait(recv).copy()
-        if send is not None:
-            halo.wait(send)
-        timings["halo_wait"] += halo.timers["halo_wait"]
-        timings["halo_total"] += halo.timers["halo_total"]
-        timings["recv_wait"] += halo.timers["recv_wait"]
+        pending = [recv, send]
+
+        def finish():
+            if pending[0] is not None:
+                lam[hi] = halo.wait(pending[0]).copy()
+            if pending[1] is not None:
+                halo.wait(pending[1])
+            if pending != [None, None]:
+                for k in ("halo_wait", "halo_total", "recv_wait"):
+                    timings[k] += halo.timers[k]
+                pending[:] = [None, None]
+
+        return finish
 
     def gather(self, grads):
         """Every entry of ``grads`` (a ParamDict from :meth:`loss_and_grad`) on every rank: a new
