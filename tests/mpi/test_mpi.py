@@ -135,3 +135,9 @@ def test_bench_scaling_quick_runs_and_reports_every_field():
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_repeated_solves_mismatched_shards_and_unwritable_checkpoints(ranks):
     assert _json(mpirun(ranks, "-m", "tests.mpi.mpi_cases", "robustness", timeout=120))["ranks"]
+
+
+@pytest.mark.parametrize("ranks, data_ranks", [(2, 1), (3, 1), (4, 1), (4, 2)])
+def test_pipeline_baseline_equals_serial(ranks, data_ranks):
+    out = _json(mpirun(ranks, "-m", "tests.mpi.mpi_cases", "pipeline", str(data_ranks)))
+    assert out["checked"] >= 4
