@@ -63,21 +63,35 @@ def _train_parser(sub):
 
 
 def _bench_parser(sub):
-    p = sub.add_parser("bench", help="benchmarks (ratios against baselines, same run)")
-    p.add_argument("suite", choices=["kernels", "mgrit", "scaling", "scaling-run"],
-                   help="kernels | mgrit | scaling (launches mpiexec for each --ranks value; "
-                        "scaling-run is one point, run under mpiexec)")
+    from .scaling import FIELDS
+    epilog = "scaling output fields (CSV/JSON):\n" + "\n".join(
+        f"  {k:<20} {v}" for k, v in FIELDS.items())
+    p = sub.add_parser("bench", help="benchmarks (ratios against baselines, same run)",
+                       description="kernels: kernel speed against BLAS / the reference; mgrit: "
+                                   "work per cycle against the cost model and overheads; "
+                                   "scaling: strong/weak scaling and sweeps of layer-parallel "
+                                   "MGRIT against serial, layer-wise and pipeline training "
+                                   "(run under mpiexec -n P, or it launches mpiexec itself), "
+                                   "writing CSV, JSON and PNG plots.",
+                       epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("suite", choices=["kernels", "mgrit", "scaling"], help="which benchmark")
     p.add_argument("--quick", action="store_true", help="fewer cases / smaller sizes")
-    p.add_argument("--ranks", default="1,2,4", help="scaling: process counts (default 1,2,4)")
-    p.add_argument("--n-layers", type=int, default=256, help="scaling: residual layers N")
-    p.add_argument("--width", type=int, default=64, help="scaling: state width")
-    p.add_argument("--batch", type=int, default=64, help="scaling: batch size")
-    p.add_argument("--levels", type=int, default=3, help="scaling: MGRIT levels")
-    p.add_argument("--cf", type=int, default=4, help="scaling: coarsening factor")
-    p.add_argument("--fwd-iters", type=int, default=2, help="scaling: forward cycles")
-    p.add_argument("--bwd-iters", type=int, default=1, help="scaling: adjoint cycles")
-    p.add_argument("--repeats", type=int, default=5, help="scaling: timed steps per point")
-    p.add_argument("--json", action="store_true", help="print results as JSON lines")
+    p.add_argument("--json", action="store_true", help="kernels/mgrit: JSON lines")
+    g = p.add_argument_group("scaling")
+    g.add_argument("--ranks", default="1,2,4", help="process counts P (default 1,2,4)")
+    g.add_argument("--n-layers", type=int, default=256, help="residual layers N (default 256)")
+    g.add_argument("--width", type=int, default=64, help="state width (default 64)")
+    g.add_argument("--batch", type=int, default=64, help="batch size (default 64)")
+    g.add_argument("--levels", type=int, default=3, help="MGRIT levels (default 3)")
+    g.add_argument("--cf", type=int, default=4, help="coarsening factor (default 4)")
+    g.add_argument("--fwd-iters", type=int, default=2, help="forward cycles (default 2)")
+    g.add_argument("--bwd-iters", type=int, default=1, help="adjoint cycles (default 1)")
+    g.add_argument("--micro", default="1,2,4,8", help="pipeline micro-batch counts M")
+    g.add_argument("--sweep", action="append", metavar="KEY=V1,V2",
+                   help="also vary one of n_layers, width, batch, levels, cf, fwd_iters, "
+                        "bwd_iters at the largest P (repeatable)")
+    g.add_argument("--repeats", type=int, default=5, help="timed steps per point (median)")
+    g.add_argument("--out", default="results/scaling", help="output folder")
     return p
 
 
@@ -221,22 +235,10 @@ def _print_timings(comm, lp, timings, train_s, log):
 def cmd_bench(args):
     """Run ``bench``; returns the list of results."""
     from .bench import bench_mgrit, format_mgrit, format_results, run_kernels
-    scaling_kw = dict(n_layers=args.n_layers, width=args.width, batch=args.batch,
-                      levels=args.levels, cf=args.cf, fwd_iters=args.fwd_iters,
-                      bwd_iters=args.bwd_iters, repeats=args.repeats)
-    if args.suite == "scaling-run":
-        from .bench import scaling_worker
-        rows = scaling_worker(**scaling_kw)
-        for r in rows or []:
-            print(json.dumps(r), flush=True)
-        return rows
     if args.suite == "scaling":
-        from .bench import format_scaling, run_scaling
-        if args.quick:
-            scaling_kw.update(n_layers=64, repeats=3)
-        results = run_scaling([int(p) for p in args.ranks.split(",")], **scaling_kw)
-        text = format_scaling(results)
-    elif args.suite == "kernels":
+        from .scaling import main as scaling_main
+        return scaling_main(args)
+    if args.suite == "kernels":
         results = run_kernels(quick=args.quick)
         text = format_results(results)
     else:
@@ -279,6 +281,13 @@ def main(argv=None):
     _bench_parser(sub)
     args = parser.parse_args(argv)
     comm = None
+    if args.command == "bench" and args.suite == "scaling" and _mpi_size_from_env() > 1:
+        from mpi4py import MPI
+
+        from .comm import abort_on_error
+        with abort_on_error(MPI.COMM_WORLD, "mgnn bench"):
+            cmd_bench(args)
+        return 0
     try:
         if args.command == "train":
             comm = _world(args)

@@ -1,0 +1,423 @@
+"""Scaling studies behind ``python -m mgnn bench scaling``: layer-parallel MGRIT against serial
+training, naive layer-wise model parallelism and a GPipe-style pipeline on the same network, ranks
+and batch, with a calibrated cost model next to every measured speedup.
+
+Run it under ``mpiexec -n P`` (every study point uses the first p <= P ranks; the others sleep),
+or without MPI, in which case it launches ``mpiexec -n max(ranks)`` itself.
+"""
+import csv
+import io
+import json
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from .backend import get_backend
+from .bench import median_time
+from .mgrit import MGRITOptions, level_sizes, solve_critical_path
+from .network import AdjointPropagator, ForwardPropagator, LayerParallel, dense_resnet
+from .pipeline import PipelineParallel
+
+#: Every output field, as ``--help`` and the JSON header document it.
+FIELDS = {
+    "study": "strong (fixed network, more ranks) | weak (layers per rank fixed) | sweep-<key>",
+    "method": "serial | layerwise (each rank its block, sequential hand-off) | pipeline "
+              "(GPipe, M micro-batches) | mgrit (layer-parallel MGRIT, overlap on) | "
+              "mgrit-nooverlap",
+    "ranks": "MPI processes P used for the point",
+    "micro_batches": "M for the pipeline (0 otherwise)",
+    "n_layers": "residual layers N", "width": "state width", "batch": "batch size",
+    "levels": "MGRIT max levels", "cf": "coarsening factor",
+    "fwd_iters": "forward MGRIT cycles", "bwd_iters": "adjoint MGRIT cycles",
+    "time_s": "median wall time of one training step (loss and gradient), ranks synchronised",
+    "speedup": "serial time of the same network and batch (one process, measured in the same "
+               "study point while the other ranks sleep) / time_s",
+    "predicted_s": "cost-model time: critical-path layer steps x t_step + messages x t_msg",
+    "predicted_speedup": "cost-model serial time / predicted_s",
+    "model_efficiency": "speedup / predicted_speedup (1 = the model explains the run)",
+    "parallel_efficiency": "speedup / ranks",
+    "exposed_halo_pct": "MGRIT: time blocked on halo receives / receive posted-to-completed",
+    "t_step_us": "one layer step (mean of forward and adjoint), measured in the same run",
+    "t_msg_us": "one boundary message one way (ping-pong / 2), measured in the same run",
+    "oversubscribed": "more ranks than cores (timings then measure sharing, not scaling)",
+}
+
+
+def _sleeping_barrier(comm):
+    """A barrier that sleeps while waiting (MPICH's Barrier spins and steals idle cores)."""
+    req = comm.Ibarrier()
+    while not req.Test():
+        time.sleep(0.002)
+
+
+def _time_step(obj, x, y, comm, repeats):
+    for _ in range(2):
+        obj.loss_and_grad(x, y)
+    times = []
+    for _ in range(repeats):
+        if comm is not None:
+            comm.Barrier()
+        t0 = time.perf_counter()
+        obj.loss_and_grad(x, y)
+        if comm is not None:
+            comm.Barrier()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def _calibrate(model, x, comm):
+    """(t_step, t_msg) in seconds, measured on the ranks of ``comm`` at once."""
+    bk = get_backend("numba")
+    u = np.ascontiguousarray(np.tanh(x))
+    steps = model.group("steps")
+    d = model.step.deriv(steps["weight"][0], steps["bias"][0], u, bk)
+    fp = ForwardPropagator(model, bk)
+    ap = AdjointPropagator(model, {model.n_layers - 1: u}, {model.n_layers - 1: d}, bk)
+    t = 0.5 * (median_time(lambda: fp.step(u, 0, 1, 0), repeats=5)
+               + median_time(lambda: ap.step(u, 0, 1, 0), repeats=5))
+    if comm is None or comm.Get_size() == 1:
+        return t, 0.0
+    P, rank = comm.Get_size(), comm.Get_rank()
+    t = comm.allreduce(t) / P
+    buf = np.empty_like(u)
+    comm.Barrier()
+    t_msg = 0.0
+    if rank < 2:
+        t0 = time.perf_counter()
+        for _ in range(50):
+            if rank == 0:
+                comm.Send(u, dest=1, tag=99)
+                comm.Recv(buf, source=1, tag=99)
+            else:
+                comm.Recv(buf, source=0, tag=99)
+                comm.Send(u, dest=0, tag=99)
+        t_msg = (time.perf_counter() - t0) / 100
+    return t, comm.bcast(t_msg, root=0)
+
+
+def _models(cfg, P, t_step, t_msg):
+    """Cost-model seconds per method for ``cfg`` on P ranks (and the serial reference)."""
+    N = cfg["n_layers"]
+    opts = MGRITOptions(cf=cfg["cf"], max_levels=cfg["levels"], nrelax=[0, 1])
+    sizes = level_sizes(N, cfg["cf"], cfg["levels"], 2)
+
+    def mgrit(p):
+        steps = msgs = 0.0
+        for cycles in (cfg["fwd_iters"], cfg["bwd_iters"]):
+            s, m = solve_critical_path(sizes, opts.nrelax_on, p, cycles, skip=True)
+            steps, msgs = steps + s, msgs + m
+        return (steps + 2 * N / p) * t_step + msgs * t_msg
+
+    serial = 3 * N * t_step  # forward (+ stored sigma') and backward with parameter vjp
+    out = {"serial": serial, "layerwise": serial + 2 * (P - 1) * t_msg,
+           "mgrit": mgrit(P), "mgrit-nooverlap": mgrit(P), "mgrit@1": mgrit(1)}
+    for M in cfg["micro"]:
+        out[f"pipeline-{M}"] = serial / (M * P) * (M + P - 1) + 2 * (M + P - 2) * t_msg
+    return out
+
+
+def study_point(comm, cfg, repeats):
+    """Every method at one configuration on the ranks of ``comm`` (None = 1 process).
+
+    Returns rows (dicts with :data:`FIELDS`) on rank 0 of ``comm``, None elsewhere.
+    """
+    P = 1 if comm is None else comm.Get_size()
+    rank = 0 if comm is None else comm.Get_rank()
+    model = dense_resnet(cfg["width"], cfg["width"], 10, cfg["n_layers"], dtype="float64",
+                         seed=0)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((cfg["batch"], cfg["width"]))
+    y = rng.integers(0, 10, cfg["batch"])
+    common = dict(cf=cfg["cf"], max_levels=cfg["levels"], nrelax=[0, 1], tol=0.0,
+                  skip_downcycle=True)
+    fwd = MGRITOptions(max_iter=cfg["fwd_iters"], **common)
+    bwd = MGRITOptions(max_iter=cfg["bwd_iters"], **common)
+    runs = {}
+    if P > 1:
+        runs["layerwise"] = LayerParallel(model, comm=comm)
+    for M in cfg["micro"]:
+        if M <= cfg["batch"]:
+            runs[f"pipeline-{M}"] = PipelineParallel(model, comm=comm, micro_batches=M)
+    runs["mgrit"] = LayerParallel(model, fwd=fwd, bwd=bwd, comm=comm)
+    runs["mgrit-nooverlap"] = LayerParallel(model, fwd=fwd, bwd=bwd, comm=comm, overlap=False)
+    # the serial baseline of this very configuration: one process, the other ranks asleep
+    serial_t = _time_step(LayerParallel(model), x, y, None, repeats) if rank == 0 else 0.0
+    if comm is not None:
+        _sleeping_barrier(comm)
+    rows = [{"method": "serial", "micro_batches": 0, "key": "serial", "ranks": P,
+             "time_s": serial_t, "exposed_halo_pct": 0.0,
+             **{k: cfg[k] for k in ("n_layers", "width", "batch", "levels", "cf",
+                                    "fwd_iters", "bwd_iters")}}]
+    for name, obj in runs.items():
+        t = _time_step(obj, x, y, comm, repeats)
+        exposed = 0.0
+        if name.startswith("mgrit"):
+            tim = obj.stats.get("timings", {})
+            w, tot = tim.get("recv_wait", 0.0), tim.get("halo_total", 0.0)
+            if comm is not None:
+                w, tot = comm.allreduce(w), comm.allreduce(tot)
+            exposed = 100.0 * w / tot if tot > 0 else 0.0
+        rows.append({"method": name.split("-")[0] if name.startswith("pipeline") else name,
+                     "micro_batches": int(name.split("-")[1]) if name.startswith("pipeline")
+                     else 0, "key": name, "ranks": P, "time_s": t, "exposed_halo_pct": exposed,
+                     **{k: cfg[k] for k in ("n_layers", "width", "batch", "levels", "cf",
+                                            "fwd_iters", "bwd_iters")}})
+    t_step, t_msg = _calibrate(model, x, comm)
+    models = _models(cfg, P, t_step, t_msg)
+    for r in rows:
+        r.update(predicted_s=models[r["key"]], t_step_us=1e6 * t_step, t_msg_us=1e6 * t_msg,
+                 oversubscribed=P > (os.cpu_count() or 1), serial_model_s=models["serial"])
+    return rows if rank == 0 else None
+
+
+def run_study(comm, ranks, studies, base, repeats, log=print):
+    """All study points on the world communicator ``comm`` (size >= max(ranks)); rows on rank 0.
+
+    ``studies``: list of (study name, cfg, ranks) tuples.
+    """
+    from mpi4py import MPI
+    world_rank = comm.Get_rank()
+    rows = []
+    for study, cfg, plist in studies:
+        for P in plist:
+            sub = comm.Split(0 if world_rank < P else MPI.UNDEFINED, world_rank)
+            if sub != MPI.COMM_NULL:
+                t0 = time.perf_counter()
+                out = study_point(sub, cfg, repeats)
+                if out is not None:
+                    for r in out:
+                        r["study"] = study
+                    rows += out
+                    log(f"  {study:<14} P={P} N={cfg['n_layers']:<4} w={cfg['width']:<4} "
+                        f"B={cfg['batch']:<4} L={cfg['levels']} cf={cfg['cf']}: "
+                        f"{time.perf_counter() - t0:5.1f} s")
+                sub.Free()
+            _sleeping_barrier(comm)
+    return rows if world_rank == 0 else None
+
+
+def finish_rows(rows):
+    """Add speedups (against the serial row of the same configuration) and efficiencies."""
+    def key(r):
+        return (r["study"], r["ranks"], r["n_layers"], r["width"], r["batch"], r["levels"],
+                r["cf"], r["fwd_iters"], r["bwd_iters"])
+    serial = {key(r): r for r in rows if r["key"] == "serial"}
+    for r in rows:
+        s = serial.get(key(r))
+        if s is None:
+            continue
+        r["speedup"] = s["time_s"] / r["time_s"]
+        r["predicted_speedup"] = s["predicted_s"] / r["predicted_s"]
+        r["model_efficiency"] = r["speedup"] / r["predicted_speedup"]
+        r["parallel_efficiency"] = r["speedup"] / r["ranks"]
+    return rows
+
+
+def verdicts(rows):
+    """Per configuration and P: the fastest method, and the least M at which the pipeline is
+    faster than layer-parallel MGRIT (None if it never is)."""
+    groups = {}
+    for r in rows:
+        k = (r["study"], r["n_layers"], r["width"], r["batch"], r["levels"], r["cf"], r["ranks"])
+        groups.setdefault(k, []).append(r)
+    out = []
+    for k, rs in groups.items():
+        best = min(rs, key=lambda r: r["time_s"])
+        mg = next((r for r in rs if r["key"] == "mgrit"), None)
+        pipes = sorted((r for r in rs if r["method"] == "pipeline"),
+                       key=lambda r: r["micro_batches"])
+        over = next((r["micro_batches"] for r in pipes if mg and r["time_s"] < mg["time_s"]),
+                    None)
+        out.append({"study": k[0], "n_layers": k[1], "width": k[2], "batch": k[3],
+                    "levels": k[4], "cf": k[5], "ranks": k[6], "fastest": best["key"],
+                    "fastest_s": best["time_s"], "pipeline_overtakes_mgrit_at_M": over})
+    return out
+
+
+def format_table(rows, verdict_rows):
+    """Plain-text table of the study."""
+    lines = [f"{'study':<14} {'P':>2} {'N':>4} {'method':<16} {'time s':>8} {'speedup':>8} "
+             f"{'model':>7} {'model eff':>9} {'exposed':>8}"]
+    for r in rows:
+        lines.append(f"{r['study']:<14} {r['ranks']:>2} {r['n_layers']:>4} {r['key']:<16} "
+                     f"{r['time_s']:8.4f} {r.get('speedup', float('nan')):8.2f} "
+                     f"{r.get('predicted_speedup', float('nan')):7.2f} "
+                     f"{r.get('model_efficiency', float('nan')):9.2f} "
+                     f"{r['exposed_halo_pct']:7.1f}%" + ("  oversubscribed"
+                                                         if r["oversubscribed"] else ""))
+    lines.append("")
+    for v in verdict_rows:
+        over = v["pipeline_overtakes_mgrit_at_M"]
+        lines.append(f"{v['study']:<14} P={v['ranks']} N={v['n_layers']}: fastest {v['fastest']}"
+                     f" ({v['fastest_s']:.4f} s); pipeline overtakes MGRIT at "
+                     f"{'M=' + str(over) if over else 'no M tried'}")
+    return "\n".join(lines)
+
+
+def _atomic_write(path, data):
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def write_outputs(out_dir, rows, verdict_rows, residuals, meta):
+    """scaling.csv, scaling.json and PNG plots (time, speedup, efficiency, residuals)."""
+    os.makedirs(out_dir, exist_ok=True)
+    names = ["study", "method", "key", "ranks", "micro_batches"] + \
+        [k for k in FIELDS if k not in ("study", "method", "ranks", "micro_batches")]
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=names, extrasaction="ignore")
+    w.writeheader()
+    w.writerows(rows)
+    _atomic_write(os.path.join(out_dir, "scaling.csv"), buf.getvalue().encode())
+    doc = {"fields": FIELDS, "meta": meta, "rows": rows, "verdicts": verdict_rows,
+           "residuals": residuals}
+    _atomic_write(os.path.join(out_dir, "scaling.json"), json.dumps(doc, indent=1).encode())
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    written = []
+    for metric, ylabel in (("time_s", "time per training step [s]"), ("speedup", "speedup"),
+                           ("parallel_efficiency", "parallel efficiency (speedup / P)")):
+        studies = sorted({r["study"] for r in rows})
+        fig, axes = plt.subplots(1, len(studies), figsize=(5.5 * len(studies), 4), squeeze=False)
+        for ax, study in zip(axes[0], studies):
+            rs = [r for r in rows if r["study"] == study and metric in r]
+            for key in sorted({r["key"] for r in rs}):
+                pts = sorted((r["ranks"], r[metric]) for r in rs if r["key"] == key)
+                if len({p for p, _ in pts}) > 1 or key == "serial":
+                    ax.plot(*zip(*pts), marker="o", label=key)
+            if metric == "speedup":
+                ps = sorted({r["ranks"] for r in rs})
+                ax.plot(ps, ps, "k:", label="ideal")
+                mg = sorted((r["ranks"], r["predicted_speedup"]) for r in rs
+                            if r["key"] == "mgrit" and "predicted_speedup" in r)
+                if mg:
+                    ax.plot(*zip(*mg), "k--", label="mgrit cost model")
+            ax.set_xlabel("ranks P" + (" (oversubscribed beyond %d cores)" % os.cpu_count()))
+            ax.set_ylabel(ylabel)
+            ax.set_title(study)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = os.path.join(out_dir, f"{metric.split('_')[0]}.png")
+        fig.savefig(path + ".tmp.png", dpi=110)
+        os.replace(path + ".tmp.png", path)
+        plt.close(fig)
+        written.append(path)
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    for name, hist in residuals.items():
+        ax.semilogy(range(len(hist)), hist, marker="o", label=name)
+    ax.set_xlabel("cycle")
+    ax.set_ylabel("residual (XBraid norm)")
+    ax.set_title("MGRIT convergence, base configuration")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = os.path.join(out_dir, "residuals.png")
+    fig.savefig(path + ".tmp.png", dpi=110)
+    os.replace(path + ".tmp.png", path)
+    plt.close(fig)
+    written.append(path)
+    return written
+
+
+def residual_histories(cfg, cycles=10):
+    """Forward and adjoint residual histories of the base configuration (one process)."""
+    model = dense_resnet(cfg["width"], cfg["width"], 10, cfg["n_layers"], dtype="float64", seed=0)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((cfg["batch"], cfg["width"]))
+    y = rng.integers(0, 10, cfg["batch"])
+    out = {}
+    for levels in sorted({2, cfg["levels"]}):
+        opts = MGRITOptions(cf=cfg["cf"], max_levels=levels, nrelax=[0, 1], tol=0.0,
+                            max_iter=cycles)
+        lp = LayerParallel(model, fwd=opts, bwd=opts)
+        lp.loss_and_grad(x, y)
+        out[f"forward, {levels} levels"] = lp.stats["forward"]["residuals"]
+        out[f"adjoint, {levels} levels"] = lp.stats["adjoint"]["residuals"]
+    return out
+
+
+def plan(base, ranks, quick, sweeps):
+    """The list of (study, cfg, ranks) points: strong and weak scaling plus one-key sweeps."""
+    studies = [("strong", dict(base), ranks)]
+    per_rank = max(base["n_layers"] // max(ranks), base["cf"] ** (base["levels"] - 1) * 2)
+    for P in ranks:
+        studies.append(("weak", dict(base, n_layers=per_rank * P), [P]))
+    for key, values in sweeps.items():
+        for v in values:
+            studies.append((f"sweep-{key}", dict(base, **{key: v}), [max(ranks)]))
+    return studies
+
+
+def main(args, log=print):
+    """Entry point of ``bench scaling`` (see ``python -m mgnn bench --help``)."""
+    ranks = [int(p) for p in args.ranks.split(",")]
+    base = dict(n_layers=args.n_layers, width=args.width, batch=args.batch, levels=args.levels,
+                cf=args.cf, fwd_iters=args.fwd_iters, bwd_iters=args.bwd_iters,
+                micro=[int(m) for m in args.micro.split(",")])
+    sweeps = {}
+    for item in args.sweep or []:
+        key, _, values = item.partition("=")
+        if key not in ("n_layers", "width", "batch", "levels", "cf", "fwd_iters", "bwd_iters"):
+            raise ValueError(f"--sweep key {key!r} unknown")
+        sweeps[key] = [int(v) for v in values.split(",")]
+    if args.quick:
+        base.update(n_layers=min(base["n_layers"], 64))
+        sweeps = sweeps or {"levels": [2, 3]}
+    size = 1
+    comm = None
+    try:
+        from mpi4py import MPI
+        comm = MPI.COMM_WORLD
+        size = comm.Get_size()
+    except ImportError:
+        pass
+    if size < max(ranks):
+        if size > 1:
+            raise ValueError(f"--ranks {args.ranks} needs {max(ranks)} MPI processes, have {size}")
+        return _relaunch(args, max(ranks), log)
+    rank = comm.Get_rank()
+    studies = plan(base, ranks, args.quick, sweeps)
+    if rank == 0:
+        log(f"scaling study: {len(studies)} configurations, ranks {ranks}, "
+            f"{size} processes on {os.cpu_count()} cores, repeats {args.repeats}")
+    rows = run_study(comm, ranks, studies, base, args.repeats, log=log if rank == 0 else print)
+    if rank != 0:
+        return None
+    rows = finish_rows(rows)
+    ver = verdicts(rows)
+    res = residual_histories(base, cycles=6 if args.quick else 10)
+    meta = {"cores": os.cpu_count(), "processes": size, "base": base, "repeats": args.repeats,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    files = write_outputs(args.out, rows, ver, res, meta)
+    log(format_table(rows, ver))
+    log("wrote " + ", ".join([os.path.join(args.out, "scaling.csv"),
+                              os.path.join(args.out, "scaling.json")] + files))
+    return rows
+
+
+def _relaunch(args, n, log):
+    """Run this study under ``mpiexec -n n`` (when started without MPI)."""
+    import shutil
+    import subprocess
+    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or \
+        shutil.which("mpiexec")
+    if mpiexec is None:
+        raise ValueError("mpiexec not found (pip install 'mgnn[mpi]')")
+    env = dict(os.environ, NUMBA_NUM_THREADS="1", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    argv = [a for a in sys.argv[1:]] if sys.argv and sys.argv[0].endswith("__main__.py") \
+        else None
+    if argv is None:
+        raise ValueError(f"run this study under mpiexec -n {n}")
+    log(f"launching: mpiexec -n {n} python -m mgnn {' '.join(argv)}")
+    proc = subprocess.run([mpiexec, "-n", str(n), sys.executable, "-m", "mgnn", *argv], env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the scaling study under mpiexec failed (exit {proc.returncode})")
+    return []
