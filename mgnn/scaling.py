@@ -239,10 +239,12 @@ def verdicts(rows):
 
 def format_table(rows, verdict_rows):
     """Plain-text table of the study."""
-    lines = [f"{'study':<14} {'P':>2} {'N':>4} {'method':<16} {'time s':>8} {'speedup':>8} "
-             f"{'model':>7} {'model eff':>9} {'exposed':>8}"]
+    lines = [f"{'study':<14} {'P':>2} {'N':>4} {'w':>4} {'B':>4} {'L':>2} {'cf':>2} "
+             f"{'method':<16} {'time s':>8} {'speedup':>8} {'model':>7} {'model eff':>9} "
+             f"{'exposed':>8}"]
     for r in rows:
-        lines.append(f"{r['study']:<14} {r['ranks']:>2} {r['n_layers']:>4} {r['key']:<16} "
+        lines.append(f"{r['study']:<14} {r['ranks']:>2} {r['n_layers']:>4} {r['width']:>4} "
+                     f"{r['batch']:>4} {r['levels']:>2} {r['cf']:>2} {r['key']:<16} "
                      f"{r['time_s']:8.4f} {r.get('speedup', float('nan')):8.2f} "
                      f"{r.get('predicted_speedup', float('nan')):7.2f} "
                      f"{r.get('model_efficiency', float('nan')):9.2f} "
@@ -251,7 +253,8 @@ def format_table(rows, verdict_rows):
     lines.append("")
     for v in verdict_rows:
         over = v["pipeline_overtakes_mgrit_at_M"]
-        lines.append(f"{v['study']:<14} P={v['ranks']} N={v['n_layers']}: fastest {v['fastest']}"
+        lines.append(f"{v['study']:<14} P={v['ranks']} N={v['n_layers']} w={v['width']} "
+                     f"B={v['batch']} L={v['levels']} cf={v['cf']}: fastest {v['fastest']}"
                      f" ({v['fastest_s']:.4f} s); pipeline overtakes MGRIT at "
                      f"{'M=' + str(over) if over else 'no M tried'}")
     return "\n".join(lines)
@@ -288,18 +291,22 @@ def write_outputs(out_dir, rows, verdict_rows, residuals, meta):
         fig, axes = plt.subplots(1, len(studies), figsize=(5.5 * len(studies), 4), squeeze=False)
         for ax, study in zip(axes[0], studies):
             rs = [r for r in rows if r["study"] == study and metric in r]
+            xkey = study[len("sweep-"):] if study.startswith("sweep-") else "ranks"
             for key in sorted({r["key"] for r in rs}):
-                pts = sorted((r["ranks"], r[metric]) for r in rs if r["key"] == key)
-                if len({p for p, _ in pts}) > 1 or key == "serial":
-                    ax.plot(*zip(*pts), marker="o", label=key)
+                pts = sorted((r[xkey], r[metric]) for r in rs if r["key"] == key)
+                ax.plot(*zip(*pts), marker="o", label=key)
             if metric == "speedup":
-                ps = sorted({r["ranks"] for r in rs})
-                ax.plot(ps, ps, "k:", label="ideal")
-                mg = sorted((r["ranks"], r["predicted_speedup"]) for r in rs
+                if xkey == "ranks":
+                    ps = sorted({r["ranks"] for r in rs})
+                    ax.plot(ps, ps, "k:", label="ideal")
+                mg = sorted((r[xkey], r["predicted_speedup"]) for r in rs
                             if r["key"] == "mgrit" and "predicted_speedup" in r)
                 if mg:
                     ax.plot(*zip(*mg), "k--", label="mgrit cost model")
-            ax.set_xlabel("ranks P" + (" (oversubscribed beyond %d cores)" % os.cpu_count()))
+            if xkey == "ranks":
+                ax.set_xlabel(f"ranks P (oversubscribed beyond {os.cpu_count()} cores)")
+            else:
+                ax.set_xlabel(f"{xkey} (P = {rs[0]['ranks'] if rs else '?'})")
             ax.set_ylabel(ylabel)
             ax.set_title(study)
             ax.grid(alpha=0.3)
