@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-$(shell cat setup.cfg pyproject.toml | cksum | cut 
 EXTRAS := test,data,mpi,bench
 export NUMBA_CACHE_DIR ?= $(CURDIR)/.numba_cache
 
-.PHONY: run test bench-kernels clean
+.PHONY: run test bench bench-kernels clean
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,8 +27,15 @@ run: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
+# Fast asv profile, offline, on the existing environment (full runs: see README).
+bench: $(STAMP)
+	$(VENV)/bin/asv machine --yes --machine local >/dev/null
+	MGNN_ASV_FAST=1 $(MPI_ENV) $(VENV)/bin/asv run -E existing:$(CURDIR)/$(PY) --quick \
+	    --set-commit-hash $$(git rev-parse HEAD) --machine local --show-stderr
+	$(VENV)/bin/asv show --machine local $$(git rev-parse HEAD) || true
+
 bench-kernels: $(STAMP)
 	$(PY) -m mgnn bench kernels
 
 clean:
-	rm -rf $(VENV) .numba_cache build *.egg-info
+	rm -rf $(VENV) .numba_cache build *.egg-info .asv

@@ -1,0 +1,143 @@
+"""asv suite of mgnn: kernels per backend and dtype at small and large shapes, one MGRIT cycle
+(forward and adjoint), and a whole training step serial against layer-parallel MGRIT.
+
+``MGNN_ASV_FAST=1`` (what ``make bench`` sets) keeps only the small shapes so that the quick
+profile finishes in under 3 minutes here; GPU benchmarks skip without a GPU.
+"""
+import os
+
+import numpy as np
+
+import mgnn
+from mgnn import MGRITOptions, MGRITSolver
+from mgnn.backend import get_backend, vector_ops
+from mgnn.network import AdjointPropagator, ForwardPropagator, LayerParallel
+
+FAST = os.environ.get("MGNN_ASV_FAST") == "1"
+SIZES = ["small"] if FAST else ["small", "large"]
+DENSE = {"small": (32, 16), "large": (128, 256)}      # (batch, width)
+CONV = {"small": (4, 4, 8), "large": (32, 8, 28)}     # (batch, channels, image side)
+
+
+def _dense_inputs(size, dtype):
+    B, w = DENSE[size]
+    rng = np.random.default_rng(0)
+    dt = np.dtype(dtype)
+    return (rng.standard_normal((B, w)).astype(dt), (rng.standard_normal((w, w)) / w).astype(dt),
+            rng.standard_normal(w).astype(dt), rng.standard_normal((B, w)).astype(dt),
+            dt.type(0.1))
+
+
+class DenseStep:
+    params = (["numpy", "numba"], ["float32", "float64"], SIZES)
+    param_names = ["backend", "dtype", "size"]
+
+    def setup(self, backend, dtype, size):
+        self.bk = get_backend(backend)
+        self.u, self.W, self.b, self.lam, self.h = _dense_inputs(size, dtype)
+        _, self.d = self.bk.dense_forward_deriv(self.u, self.W, self.b, self.h, 0, True)
+
+    def time_forward(self, backend, dtype, size):
+        self.bk.dense_forward_deriv(self.u, self.W, self.b, self.h, 0, True)
+
+    def time_vjp(self, backend, dtype, size):
+        self.bk.dense_vjp(self.lam, self.d, self.u, self.W, self.h, True)
+
+    def peakmem_forward_vjp(self, backend, dtype, size):
+        _, d = self.bk.dense_forward_deriv(self.u, self.W, self.b, self.h, 0, True)
+        self.bk.dense_vjp(self.lam, d, self.u, self.W, self.h, True)
+
+
+class ConvStep:
+    params = (["numpy", "numba"], ["float32", "float64"], SIZES)
+    param_names = ["backend", "dtype", "size"]
+
+    def setup(self, backend, dtype, size):
+        B, C, S = CONV[size]
+        rng = np.random.default_rng(0)
+        dt = np.dtype(dtype)
+        self.bk = get_backend(backend)
+        self.u = rng.standard_normal((B, C, S, S)).astype(dt)
+        self.K = (rng.standard_normal((C, C, 3, 3)) / (3 * C)).astype(dt)
+        self.b = rng.standard_normal(C).astype(dt)
+        self.lam = rng.standard_normal(self.u.shape).astype(dt)
+        self.h = dt.type(0.1)
+        _, self.d = self.bk.conv_forward_deriv(self.u, self.K, self.b, self.h, 0, True)
+
+    def time_forward(self, backend, dtype, size):
+        self.bk.conv_forward_deriv(self.u, self.K, self.b, self.h, 0, True)
+
+    def time_vjp(self, backend, dtype, size):
+        self.bk.conv_vjp(self.lam, self.d, self.u, self.K, self.h, True)
+
+
+class MGRITCycle:
+    """One V-cycle (3 levels, cf 4, F then FCF) of the forward and of the adjoint solve."""
+
+    params = (["numpy", "numba"], [64] if FAST else [64, 256])
+    param_names = ["backend", "n_layers"]
+
+    def setup(self, backend, n_layers):
+        self.model = mgnn.dense_resnet(32, 32, 10, n_layers, seed=0)
+        self.bk = get_backend(backend)
+        self.ops = vector_ops(backend)
+        self.u0 = np.random.default_rng(0).standard_normal((32, 32))
+        U, _ = LayerParallel(self.model, backend=backend)._serial_states(self.u0, False)
+        st = self.model.group("steps")
+        D = [self.model.step.deriv(st["weight"][n], st["bias"][n], U[n], self.bk)
+             for n in range(n_layers)]
+        self.opts = MGRITOptions(cf=4, max_levels=3, nrelax=[0, 1], tol=0.0, max_iter=1)
+        self.fwd = MGRITSolver(ForwardPropagator(self.model, self.bk), n_layers, self.opts,
+                               ops=self.ops)
+        self.adj = MGRITSolver(AdjointPropagator(self.model, U, D, self.bk), n_layers,
+                               self.opts, ops=self.ops)
+
+    def time_forward_cycle(self, backend, n_layers):
+        self.fwd.solve(self.u0)
+
+    def time_adjoint_cycle(self, backend, n_layers):
+        self.adj.solve(self.u0)
+
+
+class TrainStep:
+    """A whole training step (loss and gradient) serial against layer-parallel MGRIT (2/1
+    cycles, one process)."""
+
+    params = (["serial", "mgrit"], [64] if FAST else [64, 256])
+    param_names = ["method", "n_layers"]
+
+    def setup(self, method, n_layers):
+        model = mgnn.dense_resnet(64, 64, 10, n_layers, seed=0)
+        common = dict(cf=4, max_levels=3, nrelax=[0, 1], tol=0.0, skip_downcycle=True)
+        if method == "serial":
+            self.lp = LayerParallel(model)
+        else:
+            self.lp = LayerParallel(model, fwd=MGRITOptions(max_iter=2, **common),
+                                    bwd=MGRITOptions(max_iter=1, **common))
+        rng = np.random.default_rng(0)
+        self.x = rng.standard_normal((64, 64))
+        self.y = rng.integers(0, 10, 64)
+        self.lp.loss_and_grad(self.x, self.y)
+
+    def time_loss_and_grad(self, method, n_layers):
+        self.lp.loss_and_grad(self.x, self.y)
+
+    def peakmem_loss_and_grad(self, method, n_layers):
+        self.lp.loss_and_grad(self.x, self.y)
+
+
+class GPUKernels:
+    """GPU kernels (the cuda backend); skipped where no GPU is available."""
+
+    def setup(self):
+        try:
+            import cupy
+            available = cupy.cuda.is_available()
+        except Exception:  # noqa: BLE001 - any import/driver failure means no GPU here
+            available = False
+        if not available:
+            raise NotImplementedError("no CUDA GPU")
+        raise NotImplementedError("the cuda backend is not implemented yet")
+
+    def time_dense_step(self):
+        pass
