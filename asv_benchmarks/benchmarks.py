@@ -141,3 +141,41 @@ class GPUKernels:
 
     def time_dense_step(self):
         pass
+
+
+class OtherKernels:
+    """The remaining kernels: layer sweeps, pooling, the loss and the FAS vector operations."""
+
+    params = (["numpy", "numba"], ["float32", "float64"])
+    param_names = ["backend", "dtype"]
+
+    def setup(self, backend, dtype):
+        dt = np.dtype(dtype)
+        rng = np.random.default_rng(0)
+        self.bk = get_backend(backend)
+        self.ops = vector_ops(backend)
+        n, B, w = 16, 32, 16
+        self.W = (rng.standard_normal((n, w, w)) / w).astype(dt)
+        self.b = rng.standard_normal((n, w)).astype(dt)
+        self.U = np.empty((n + 1, B, w), dtype=dt)
+        self.U[0] = rng.standard_normal((B, w))
+        self.D = np.empty((n, B, w), dtype=dt)
+        self.h = dt.type(0.1)
+        self.gW, self.gb = np.empty_like(self.W), np.empty_like(self.b)
+        self.lam = rng.standard_normal((B, w)).astype(dt)
+        self.img = rng.standard_normal((B, 8, 8, 8)).astype(dt)
+        self.logits = rng.standard_normal((B, 10)).astype(dt)
+        self.y = rng.integers(0, 10, B)
+        self.a, self.c, self.e = (rng.standard_normal((B, w)).astype(dt) for _ in range(3))
+
+    def time_dense_sweeps(self, backend, dtype):
+        self.bk.dense_sweep_forward(self.U, self.W, self.b, self.h, 0, self.D)
+        self.bk.dense_sweep_backward(self.U, self.D, self.W, self.h, self.lam, self.gW, self.gb)
+
+    def time_pool_loss_fas(self, backend, dtype):
+        g = self.bk.avgpool_forward(self.img, 2)
+        self.bk.avgpool_vjp(g, 8, 8)
+        self.bk.softmax_xent(self.logits, self.y)
+        r, _ = self.ops.residual(self.a, self.c, self.e)
+        self.ops.fas_rhs(r, self.a, self.c)
+        self.ops.correct(self.a, self.c, self.e)

@@ -40,10 +40,18 @@ FIELDS = {
     "model_efficiency": "speedup / predicted_speedup (1 = the model explains the run)",
     "parallel_efficiency": "speedup / ranks",
     "exposed_halo_pct": "MGRIT: time blocked on halo receives / receive posted-to-completed",
+    "steps_s": "per-phase time of the last step, slowest rank: step kernels",
+    "halo_wait_s": "... blocked on halo messages", "allreduce_s": "... in reductions",
+    "other_s": "... everything else (vector kernels, Python, loss)",
     "t_step_us": "one layer step (mean of forward and adjoint), measured in the same run",
     "t_msg_us": "one boundary message one way (ping-pong / 2), measured in the same run",
     "oversubscribed": "more ranks than cores (timings then measure sharing, not scaling)",
 }
+
+
+def _max_op():
+    from mpi4py import MPI
+    return MPI.MAX
 
 
 def _sleeping_barrier(comm):
@@ -153,6 +161,10 @@ def study_point(comm, cfg, repeats):
                                     "fwd_iters", "bwd_iters")}}]
     for name, obj in runs.items():
         t = _time_step(obj, x, y, comm, repeats)
+        tim = obj.stats.get("timings", {})
+        phases = {f"{k}_s": (tim.get(k, 0.0) if comm is None else
+                             comm.allreduce(tim.get(k, 0.0), op=_max_op()))
+                  for k in ("steps", "halo_wait", "allreduce", "other")}
         exposed = 0.0
         if name.startswith("mgrit"):
             tim = obj.stats.get("timings", {})
@@ -163,6 +175,7 @@ def study_point(comm, cfg, repeats):
         rows.append({"method": name.split("-")[0] if name.startswith("pipeline") else name,
                      "micro_batches": int(name.split("-")[1]) if name.startswith("pipeline")
                      else 0, "key": name, "ranks": P, "time_s": t, "exposed_halo_pct": exposed,
+                     **phases,
                      **{k: cfg[k] for k in ("n_layers", "width", "batch", "levels", "cf",
                                             "fwd_iters", "bwd_iters")}})
     t_step, t_msg = _calibrate(model, x, comm)
