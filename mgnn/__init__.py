@@ -7,14 +7,14 @@ from .blocks import gradcheck
 from .data import load_dataset, load_digits, load_mnist, load_synthetic, read_idx
 from .mgrit import MGRITOptions, MGRITResult, MGRITSolver
 from .errors import CheckpointError, DataFormatError, GradcheckError, MGNNError
-from .network import LayerParallel, Model, build_model, conv_resnet, dense_resnet
+from .network import LayerParallel, Model, conv_resnet, dense_resnet
 from .optim import SGD, Adam
 from .params import ParamDict
 from .train import fit, load_checkpoint, save_checkpoint
 
 __version__ = "0.1.0"
 
-__all__ = ["MGRITOptions", "MGRITSolver", "MGRITResult", "dense_resnet", "conv_resnet", "build_model", "Model", "LayerParallel", "ParamDict",
+__all__ = ["MGRITOptions", "MGRITSolver", "MGRITResult", "dense_resnet", "conv_resnet", "Model", "LayerParallel", "ParamDict",
            "SGD", "Adam", "gradcheck", "fit", "save_checkpoint", "load_checkpoint", "read_idx",
            "load_dataset", "load_digits", "load_mnist", "load_synthetic", "MGNNError",
            "GradcheckError", "DataFormatError", "CheckpointError"]

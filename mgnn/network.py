@@ -165,17 +165,6 @@ def conv_resnet(in_channels, channels, image_size, n_classes, n_layers, t_final=
                  config)
 
 
-def build_model(config, seed=0):
-    """A model from its :attr:`Model.config` dict (checkpoints use this)."""
-    cfg = dict(config)
-    kind = cfg.pop("model", None)
-    if kind == "dense":
-        return dense_resnet(seed=seed, **cfg)
-    if kind == "conv":
-        return conv_resnet(seed=seed, **cfg)
-    raise ValueError(f"unknown model kind {kind!r}; expected 'dense' or 'conv'")
-
-
 class ForwardPropagator:
     """The forward residual steps of a model as an MGRIT propagator.
 

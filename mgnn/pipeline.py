@@ -70,13 +70,11 @@ class PipelineParallel(LayerParallel):
 
         for k, idx in enumerate(parts):  # all forwards
             shape = m.step.state_shape(len(idx))
+            if not lay.first:
+                u0, d_open = recv(shape, lay.layer_rank - 1, tag("chain")), None
             t0 = time.perf_counter()
             if lay.first:
                 u0, d_open = m.opening.forward(m.group("opening"), x[idx], bk)
-            else:
-                timings["steps"] -= time.perf_counter() - t0
-                u0, d_open = recv(shape, lay.layer_rank - 1, tag("chain")), None
-                t0 = time.perf_counter()
             U = np.empty((stop - lo + 1,) + shape, dtype=m.dtype)
             U[0] = u0
             D = np.empty((stop - lo,) + shape, dtype=m.dtype)

@@ -122,21 +122,22 @@ def case_fail():
 
 
 
-def _nets():
+def _nets(seed):
+    """(kind, model, x (8, ...), y (8,)) for a dense and a conv network."""
     import mgnn
-    yield "dense", mgnn.dense_resnet(5, 4, 3, 27, t_final=1.5, seed=1), (5,)
-    yield "conv", mgnn.conv_resnet(1, 2, (4, 4), 3, 14, t_final=1.5, seed=1), (1, 4, 4)
+    rng = np.random.default_rng(seed)
+    for kind, model, shape in (
+            ("dense", mgnn.dense_resnet(5, 4, 3, 27, t_final=1.5, seed=1), (5,)),
+            ("conv", mgnn.conv_resnet(1, 2, (4, 4), 3, 14, t_final=1.5, seed=1), (1, 4, 4))):
+        yield kind, model, rng.standard_normal((8,) + shape), rng.integers(0, 3, 8)
 
 
 def case_network():
     """LayerParallel on layer_ranks x data_ranks = SIZE equals the single-process result."""
     import mgnn
     data_ranks = int(sys.argv[2])
-    rng = np.random.default_rng(7)
     checked = 0
-    for kind, model, shape in _nets():
-        x = rng.standard_normal((8,) + shape)
-        y = rng.integers(0, 3, 8)
+    for kind, model, x, y in _nets(7):
         settings = [
             ("fixed cycles", MGRITOptions(cf=2, max_levels=3, nrelax=[0, 1], tol=0.0, max_iter=2,
                                           skip_downcycle=True),
@@ -251,11 +252,8 @@ def case_pipeline():
     import mgnn
     from mgnn.pipeline import PipelineParallel
     data_ranks = int(sys.argv[2])
-    rng = np.random.default_rng(3)
     checked = 0
-    for kind, model, shape in _nets():
-        x = rng.standard_normal((8,) + shape)
-        y = rng.integers(0, 3, 8)
+    for kind, model, x, y in _nets(3):
         loss0, g0 = mgnn.LayerParallel(model, backend="numpy").loss_and_grad(x, y)
         for micro in (1, 2, 4):
             pp = PipelineParallel(model, comm=COMM, micro_batches=micro, data_ranks=data_ranks)
