@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat setup.cfg pyproject.toml | cksum | cut -d' ' -f1)
-EXTRAS := test,data,mpi,bench
+EXTRAS := test,data,mpi,bench,cuda
 export NUMBA_CACHE_DIR ?= $(CURDIR)/.numba_cache
 
 .PHONY: run test bench bench-kernels clean

@@ -1,9 +1,17 @@
 """Arrays and kernels: the one dispatch point between mgnn and its backends.
 
-A backend is a module with the kernel functions of :mod:`mgnn.backend.numpy_ref` (same names, same
-signatures, same results to round-off). This package knows nothing of MGRIT or networks.
+A backend is an object with the kernel functions of :mod:`mgnn.backend.numpy_ref` (same names, same
+signatures, same results to round-off), an array module ``xp`` (its arrays: NumPy or CuPy) and a
+flag ``batched_relaxation`` (whether MGRIT should advance all F-intervals in one batched launch).
+This package knows nothing of MGRIT or networks.
+
+Backends: ``numpy`` (the reference), ``numba`` (CPU), ``cuda`` (CuPy arrays, RawKernels and Numba
+CUDA kernels; only where ``cupy.cuda.is_available()``) and ``cuda-emulated`` (the ``cuda``
+backend's RawKernels compiled for the host and run on NumPy arrays: slow, for checking the GPU
+code on machines without a GPU). GPU modules are imported only when a GPU backend is asked for.
 """
 import importlib
+import shutil
 
 from .._config import ACTIVATIONS, CPU_BACKENDS, DTYPES
 
@@ -14,9 +22,27 @@ KERNELS = (
     "dense_sweep_forward", "dense_sweep_backward",
     "conv_forward", "conv_forward_deriv", "conv_deriv", "conv_vjp_input", "conv_vjp", "conv_vjp_params",
     "avgpool_forward", "avgpool_vjp", "softmax_xent",
+    "dense_forward_batched", "dense_vjp_input_batched", "conv_forward_batched",
+    "conv_vjp_input_batched",
 )
 
 _MODULES = {"numpy": "numpy_ref", "numba": "numba_cpu"}
+GPU_BACKENDS = ("cuda", "cuda-emulated")
+_ALL = tuple(_MODULES) + GPU_BACKENDS
+_instances = {}
+
+
+class BackendUnavailableError(ValueError):
+    """A known backend that this machine cannot run (e.g. 'cuda' without a GPU)."""
+
+
+def gpu_available():
+    """Whether CuPy is installed and sees a CUDA device (never raises)."""
+    try:
+        import cupy
+        return bool(cupy.cuda.is_available())
+    except Exception:  # noqa: BLE001 -- no CuPy, no driver, no device: all mean "no GPU"
+        return False
 
 
 def vector_ops(name="numpy"):
@@ -25,27 +51,54 @@ def vector_ops(name="numpy"):
     from .fas_ops import GenericOps, NumbaOps
     if name == "numba":
         return NumbaOps()
-    if name == "numpy":
+    if name in ("numpy", "cuda-emulated"):
         return GenericOps()
-    raise ValueError(f"unknown backend {name!r}; expected one of {sorted(_MODULES)}")
+    if name == "cuda":
+        get_backend("cuda")  # raises BackendUnavailableError without a GPU
+        from .numba_cuda import CudaOps
+        return CudaOps()
+    raise ValueError(f"unknown backend {name!r}; expected one of {sorted(_ALL)}")
 
 
 def available_backends():
-    """Names of the backends usable on this machine, e.g. ``("numpy", "numba")``."""
-    return tuple(CPU_BACKENDS)
+    """Names of the backends usable on this machine, e.g. ``("numpy", "numba", "cuda-emulated")``
+    ('cuda-emulated' needs a C++ compiler, 'cuda' a GPU)."""
+    names = list(CPU_BACKENDS)
+    if shutil.which("g++") or shutil.which("c++"):
+        names.append("cuda-emulated")
+    if gpu_available():
+        names.append("cuda")
+    return tuple(names)
 
 
 def get_backend(name):
-    """The backend module called ``name`` (``"numpy"`` or ``"numba"``).
+    """The backend called ``name``: 'numpy', 'numba', 'cuda' or 'cuda-emulated'.
 
     Raises
     ------
     ValueError
         If ``name`` is not a known backend.
+    BackendUnavailableError (a ValueError)
+        If it is known but cannot run here ('cuda' without a GPU).
     """
-    if not isinstance(name, str) or name not in _MODULES:
-        raise ValueError(f"unknown backend {name!r}; expected one of {sorted(_MODULES)}")
-    return importlib.import_module(f".{_MODULES[name]}", __name__)
+    if not isinstance(name, str) or name not in _ALL:
+        raise ValueError(f"unknown backend {name!r}; expected one of {sorted(_ALL)}")
+    if name in _MODULES:
+        return importlib.import_module(f".{_MODULES[name]}", __name__)
+    if name not in _instances:
+        from .cupy_raw import KERNEL_FILES, CupyLauncher, RawBackend
+        if name == "cuda":
+            if not gpu_available():
+                raise BackendUnavailableError(
+                    "backend 'cuda' needs CuPy and a CUDA GPU, but cupy.cuda.is_available() is "
+                    "False here (install mgnn[cuda] on a GPU machine; 'cuda-emulated' runs the "
+                    "same kernels on the CPU, slowly)")
+            _instances[name] = RawBackend(CupyLauncher(), name)
+        else:
+            from .host_emulation import EmulationLauncher
+            _instances[name] = RawBackend(EmulationLauncher(list(KERNEL_FILES), KERNEL_FILES),
+                                          name)
+    return _instances[name]
 
 
 def activation_code(name):

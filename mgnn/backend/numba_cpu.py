@@ -9,6 +9,8 @@ import numpy as np
 from numba import njit, prange
 
 name = "numba"
+xp = np  #: array module of this backend
+batched_relaxation = False  #: batching gains nothing on the CPU (see numpy_ref)
 
 
 @njit(cache=True, inline="always")
@@ -448,3 +450,28 @@ def avgpool_vjp(g, H, Wd):
 def softmax_xent(logits, y):
     """Numba kernel; contract of :func:`mgnn.backend.numpy_ref.softmax_xent`."""
     return _softmax_xent(logits, y)
+
+
+# ------------------------------------------------------------------- interval-batched steps
+def dense_forward_batched(xs, W, b, layers, h, act, store_deriv):
+    """See :func:`mgnn.backend.numpy_ref.dense_forward_batched` (a loop over the fused kernel)."""
+    outs = [dense_forward_deriv(x, W[l], b[l], h, act, True) if store_deriv else
+            (dense_forward(x, W[l], b[l], h, act, True), None) for x, l in zip(xs, layers)]
+    return [y for y, _ in outs], ([d for _, d in outs] if store_deriv else None)
+
+
+def dense_vjp_input_batched(gys, derivs, W, layers, h):
+    """See :func:`mgnn.backend.numpy_ref.dense_vjp_input_batched`."""
+    return [dense_vjp_input(g, d, W[l], h, True) for g, d, l in zip(gys, derivs, layers)]
+
+
+def conv_forward_batched(xs, K, b, layers, h, act, store_deriv):
+    """See :func:`mgnn.backend.numpy_ref.conv_forward_batched`."""
+    outs = [conv_forward_deriv(x, K[l], b[l], h, act, True) if store_deriv else
+            (conv_forward(x, K[l], b[l], h, act, True), None) for x, l in zip(xs, layers)]
+    return [y for y, _ in outs], ([d for _, d in outs] if store_deriv else None)
+
+
+def conv_vjp_input_batched(gys, derivs, K, layers, h):
+    """See :func:`mgnn.backend.numpy_ref.conv_vjp_input_batched`."""
+    return [conv_vjp_input(g, d, K[l], h, True) for g, d, l in zip(gys, derivs, layers)]

@@ -11,6 +11,8 @@ Conventions shared by every backend (see :mod:`mgnn.backend`):
 import numpy as np
 
 name = "numpy"
+xp = np  #: array module of this backend
+batched_relaxation = False  #: MGRIT advances F-intervals one by one here
 
 
 def _act(z, act):
@@ -202,3 +204,32 @@ def softmax_xent(logits, y):
     g = e / ssum
     g[np.arange(B), y] -= 1
     return logits.dtype.type(loss), g / logits.dtype.type(B)
+
+
+# ------------------------------------------------------------------- interval-batched steps
+def dense_forward_batched(xs, W, b, layers, h, act, store_deriv):
+    """Residual steps of several states at once (the F-intervals of one relaxation wave).
+
+    xs : list of (B, w) states; W (L, w, w), b (L, w) every layer's parameters; layers : ints,
+    the layer of each state. Returns (ys, derivs) -- lists of new (B, w) arrays,
+    ``ys[p] = xs[p] + h sigma(xs[p] W[l]^T + b[l])``, derivs sigma'(z) or None unless
+    ``store_deriv``.
+    """
+    outs = [dense_forward_deriv(x, W[l], b[l], h, act, True) for x, l in zip(xs, layers)]
+    return [y for y, _ in outs], ([d for _, d in outs] if store_deriv else None)
+
+
+def dense_vjp_input_batched(gys, derivs, W, layers, h):
+    """State vjps of several residual steps: ``gys[p] + h (derivs[p] gys[p]) W[l]``."""
+    return [dense_vjp_input(g, d, W[l], h, True) for g, d, l in zip(gys, derivs, layers)]
+
+
+def conv_forward_batched(xs, K, b, layers, h, act, store_deriv):
+    """:func:`dense_forward_batched` for conv steps: xs (B, C, H, W), K (L, C, C, 3, 3), b (L, C)."""
+    outs = [conv_forward_deriv(x, K[l], b[l], h, act, True) for x, l in zip(xs, layers)]
+    return [y for y, _ in outs], ([d for _, d in outs] if store_deriv else None)
+
+
+def conv_vjp_input_batched(gys, derivs, K, layers, h):
+    """:func:`dense_vjp_input_batched` for conv steps."""
+    return [conv_vjp_input(g, d, K[l], h, True) for g, d, l in zip(gys, derivs, layers)]

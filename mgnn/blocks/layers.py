@@ -16,6 +16,7 @@ class _StepKind:
     """Shared code of the residual step kinds; subclasses name their kernels."""
 
     _fwd = _fwd_deriv = _deriv = _vjp = _vjp_input = _vjp_params = None  # backend kernel names
+    _fwd_batched = _vjp_input_batched = None
 
     def __init__(self, activation):
         self.activation = activation
@@ -38,6 +39,16 @@ class _StepKind:
         if deriv is None:
             deriv = self.deriv(W, b, u, bk)
         return getattr(bk, self._vjp_input)(lam, deriv, W, h, True)
+
+    def forward_batched(self, W, b, us, layers, h, bk):
+        """[us[p] + h F(us[p]; W[l], b[l]) for l = layers[p]] in one batched kernel call; W and b
+        hold every layer (leading axis)."""
+        return getattr(bk, self._fwd_batched)(us, W, b, layers, h, self.act, False)[0]
+
+    def vjp_state_batched(self, W, lams, derivs, layers, h, bk):
+        """[lams[p] + h J_l^T lams[p]] for l = layers[p], from sigma' ``derivs[p]`` at the
+        states of those layers, in one batched kernel call."""
+        return getattr(bk, self._vjp_input_batched)(lams, derivs, W, layers, h)
 
     def vjp(self, W, b, u, h, lam, bk, deriv=None):
         """(state vjp, gW, gb) of one step at u for the cotangent lam of u_next."""
@@ -72,6 +83,7 @@ class DenseStep(_StepKind):
 
     _fwd, _fwd_deriv, _deriv = "dense_forward", "dense_forward_deriv", "dense_deriv"
     _vjp, _vjp_input, _vjp_params = "dense_vjp", "dense_vjp_input", "dense_vjp_params"
+    _fwd_batched, _vjp_input_batched = "dense_forward_batched", "dense_vjp_input_batched"
 
     def __init__(self, width, activation="tanh"):
         super().__init__(activation)
@@ -97,6 +109,7 @@ class ConvStep(_StepKind):
 
     _fwd, _fwd_deriv, _deriv = "conv_forward", "conv_forward_deriv", "conv_deriv"
     _vjp, _vjp_input, _vjp_params = "conv_vjp", "conv_vjp_input", "conv_vjp_params"
+    _fwd_batched, _vjp_input_batched = "conv_forward_batched", "conv_vjp_input_batched"
 
     def __init__(self, channels, image_size, activation="tanh"):
         super().__init__(activation)

@@ -88,9 +88,13 @@ class MGRITSolver:
     Parameters
     ----------
     propagator : object with ``step(u, start, stop, level)``
-        Optional attributes: ``pull`` (bool, see the module notes) and ``fresh_outputs`` (bool:
+        Optional attributes: ``pull`` (bool, see the module notes), ``fresh_outputs`` (bool:
         every step returns a new array the solver may update in place, saving a copy per
-        coarse-level step).
+        coarse-level step), and ``batched`` (bool) with ``step_batch(us, starts, stops, level)``
+        (a list of the steps of the states ``us``, all of one level): interval-batched
+        relaxation, where one call advances every F-interval of this rank by one step, so a
+        relaxation sweep costs cf calls instead of one per point (one kernel launch each on a
+        GPU); the residual and FAS right-hand-side steps of a level become one call each.
     n_steps : int
         N (fine indices 0..N).
     options : MGRITOptions
@@ -128,6 +132,8 @@ class MGRITSolver:
         self.prop, self.n_steps = propagator, n_steps
         self.pull = bool(getattr(propagator, "pull", False))
         self.fresh = bool(getattr(propagator, "fresh_outputs", False))
+        self.batched = bool(getattr(propagator, "batched", False)) and \
+            callable(getattr(propagator, "step_batch", None))
         if comm is not None and comm.Get_size() > 1:
             comm = comm.Dup()  # private context: MGRIT messages never meet the user's own
         self.comm = comm
@@ -153,6 +159,18 @@ class MGRITSolver:
         s = self.levels[lev].s
         t0 = time.perf_counter()
         out = self.prop.step(u, j * s, (j + 1) * s, lev)
+        self._step_seconds += time.perf_counter() - t0
+        return out
+
+    def _phi_batch(self, states, js, lev):
+        """[Phi(states[k]) out of level point js[k]] in one propagator call (or a loop)."""
+        if not js:
+            return []
+        if not self.batched or len(js) == 1:
+            return [self._phi(u, j, lev) for u, j in zip(states, js)]
+        s = self.levels[lev].s
+        t0 = time.perf_counter()
+        out = self.prop.step_batch(states, [j * s for j in js], [(j + 1) * s for j in js], lev)
         self._step_seconds += time.perf_counter() - t0
         return out
 
@@ -202,18 +220,32 @@ class MGRITSolver:
         if send_right and self.overlap:
             while (n_tail < len(js) - n_head and js[-1 - n_tail] == b - 1 - n_tail):
                 n_tail += 1
-        phi, prop_fresh, ops = self._phi, self.fresh, self.ops
+        prop_fresh, ops = self.fresh, self.ops
 
         def run(points):
-            for j in points:
-                v = phi(U[j - 1], j - 1, lev)
-                if G is None:
-                    U[j] = v
-                elif prop_fresh:
-                    v += G[j]  # the propagator promised a new array: add the rhs in place
-                    U[j] = v
-                else:
-                    U[j] = ops.add(v, G[j])
+            # waves: the k-th point of every chain of consecutive points, independent of each
+            # other (one batched call each); without batching, point after point
+            if self.batched:
+                chains, waves = [], []
+                for j in points:
+                    if chains and chains[-1][-1] == j - 1:
+                        chains[-1].append(j)
+                    else:
+                        chains.append([j])
+                for k in range(max((len(c) for c in chains), default=0)):
+                    waves.append([c[k] for c in chains if len(c) > k])
+            else:
+                waves = [[j] for j in points]
+            for wave in waves:
+                outs = self._phi_batch([U[j - 1] for j in wave], [j - 1 for j in wave], lev)
+                for j, v in zip(wave, outs):
+                    if G is None:
+                        U[j] = v
+                    elif prop_fresh:
+                        v += G[j]  # the propagator promised a new array: add the rhs in place
+                        U[j] = v
+                    else:
+                        U[j] = ops.add(v, G[j])
 
         sends = []
         if send_right and self.overlap and (n_tail or not js or js[-1] != b - 1):
@@ -245,9 +277,8 @@ class MGRITSolver:
             recv = (_Done(), halo.wait(recv), time.perf_counter())
         send = (halo.isend(self._boundary_value(U, lev), L.right, t)
                 if b <= n and target(b) and self.overlap else None)
-        for j in range(max(a + 1, 1), b):
-            if target(j):
-                out[j] = self._phi(U[j - 1], j - 1, lev)
+        js = [j for j in range(max(a + 1, 1), b) if target(j)]
+        out.update(zip(js, self._phi_batch([U[j - 1] for j in js], [j - 1 for j in js], lev)))
         if recv is not None:
             out[a] = self._from_left(halo.wait(recv), lev)
         if b <= n and target(b) and not self.overlap:

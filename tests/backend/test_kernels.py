@@ -12,6 +12,15 @@ DTYPES = ["float32", "float64"]
 ACTS = [0, 1, 2]
 
 
+def _backend(name):
+    """The backend ``name``; GPU-code backends fill every new output with NaN before the launch,
+    so an element a kernel does not write fails the comparison."""
+    bk = get_backend(name)
+    if hasattr(bk, "poison_outputs"):
+        bk.poison_outputs = True
+    return bk
+
+
 def test_every_backend_provides_every_kernel():
     for name in available_backends():
         bk = get_backend(name)
@@ -38,7 +47,7 @@ def _dense_case(rng, dt, B=5, i=7, o=7):
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("residual", [True, False])
 def test_dense_kernels(backend, dtype, act, residual, rng):
-    bk = get_backend(backend)
+    bk = _backend(backend)
     x, W, b, g, h = _dense_case(rng, dtype, o=7 if residual else 3)
     assert_close(bk.dense_forward(x, W, b, h, act, residual),
                  REF.dense_forward(x, W, b, h, act, residual), dtype, "forward")
@@ -62,7 +71,7 @@ def test_dense_kernels(backend, dtype, act, residual, rng):
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("store", [True, False])
 def test_dense_sweeps(backend, dtype, act, store, rng):
-    bk = get_backend(backend)
+    bk = _backend(backend)
     N, B, w = 6, 4, 5
     W = (_rand(rng, (N, w, w), dtype) * 0.5).astype(dtype)
     b = _rand(rng, (N, w), dtype)
@@ -93,7 +102,7 @@ def test_dense_sweeps(backend, dtype, act, store, rng):
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("residual", [True, False])
 def test_conv_kernels(backend, dtype, act, residual, rng):
-    bk = get_backend(backend)
+    bk = _backend(backend)
     ci, co = (3, 3) if residual else (2, 4)
     B, H, Wd = 3, 5, 6
     x = _rand(rng, (B, ci, H, Wd), dtype)
@@ -122,7 +131,7 @@ def test_conv_kernels(backend, dtype, act, residual, rng):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("p", [1, 2, 3])
 def test_avgpool(backend, dtype, p, rng):
-    bk = get_backend(backend)
+    bk = _backend(backend)
     u = _rand(rng, (2, 3, 6, 6), dtype)
     assert_close(bk.avgpool_forward(u, p), REF.avgpool_forward(u, p), dtype, "pool")
     g = _rand(rng, (2, 3, p, p), dtype)
@@ -132,7 +141,7 @@ def test_avgpool(backend, dtype, p, rng):
 @pytest.mark.parametrize("backend", FAST)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_softmax_xent(backend, dtype, rng):
-    bk = get_backend(backend)
+    bk = _backend(backend)
     logits = (_rand(rng, (6, 10), dtype) * 5).astype(dtype)
     logits[0, 3] = 80  # large values: the stable formulation must not overflow
     y = rng.integers(0, 10, 6)
@@ -165,7 +174,7 @@ def test_reference_conv_matches_direct_definition(rng):
 def test_dense_kernels_wide_path(backend, dtype, act, rng):
     """Shapes at or above the numba backend's WIDE threshold take its BLAS path."""
     from mgnn.backend.numba_cpu import WIDE
-    bk = get_backend(backend)
+    bk = _backend(backend)
     B = WIDE // 64
     x, W, b, g, h = _dense_case(rng, dtype, B=B, i=64, o=64)
     y, d = bk.dense_forward_deriv(x, W, b, h, act, True)
@@ -208,3 +217,44 @@ def test_vector_ops_unknown_backend():
     from mgnn.backend import vector_ops
     with pytest.raises(ValueError, match="'cuda9'"):
         vector_ops("cuda9")
+
+
+@pytest.mark.parametrize("backend", FAST)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("store", [True, False])
+def test_batched_steps(backend, dtype, act, store, rng):
+    """One batched call = the single steps of each (state, layer) pair, layers repeated and out
+    of order, for dense and conv."""
+    bk = _backend(backend)
+    L, B, w = 5, 9, 10
+    layers = [3, 0, 3, 4]
+    h = np.dtype(dtype).type(0.4)
+    W, b = _rand(rng, (L, w, w), dtype), _rand(rng, (L, w), dtype)
+    xs = [_rand(rng, (B, w), dtype) for _ in layers]
+    ys, ds = bk.dense_forward_batched(xs, W, b, layers, h, act, store)
+    assert (ds is None) != store
+    for p, l in enumerate(layers):
+        yr, dr = REF.dense_forward_deriv(xs[p], W[l], b[l], h, act, True)
+        assert_close(ys[p], yr, dtype, f"dense y[{p}]")
+        if store:
+            assert_close(ds[p], dr, dtype, f"dense d[{p}]")
+    derivs = [REF.dense_deriv(x, W[l], b[l], act) for x, l in zip(xs, layers)]
+    gs = bk.dense_vjp_input_batched(xs, derivs, W, layers, h)
+    for p, l in enumerate(layers):
+        assert_close(gs[p], REF.dense_vjp_input(xs[p], derivs[p], W[l], h, True), dtype,
+                     f"dense vjp[{p}]")
+    C, H, Wd = 2, 4, 5
+    K, cb = _rand(rng, (L, C, C, 3, 3), dtype), _rand(rng, (L, C), dtype)
+    us = [_rand(rng, (2, C, H, Wd), dtype) for _ in layers]
+    ys, ds = bk.conv_forward_batched(us, K, cb, layers, h, act, store)
+    for p, l in enumerate(layers):
+        yr, dr = REF.conv_forward_deriv(us[p], K[l], cb[l], h, act, True)
+        assert_close(ys[p], yr, dtype, f"conv y[{p}]")
+        if store:
+            assert_close(ds[p], dr, dtype, f"conv d[{p}]")
+    derivs = [REF.conv_deriv(u, K[l], cb[l], act) for u, l in zip(us, layers)]
+    gs = bk.conv_vjp_input_batched(us, derivs, K, layers, h)
+    for p, l in enumerate(layers):
+        assert_close(gs[p], REF.conv_vjp_input(us[p], derivs[p], K[l], h, True), dtype,
+                     f"conv vjp[{p}]")

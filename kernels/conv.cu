@@ -1,0 +1,128 @@
+// 3x3 convolution residual-block steps (cross-correlation, padding 1, stride 1): fused forward,
+// state vjp, kernel gradient, and the interval-batched forward / state vjp. Launch contracts:
+// kernels/README.md. States are (B, C, H, W) row-major, kernels K (Co, Ci, 3, 3).
+#include "common.cuh"
+
+// Pre-activation z[n, o, y, x] = b[o] + sum_{c, dy, dx} K[o, c, dy, dx] u[n, c, y+dy-1, x+dx-1].
+template <typename T>
+__device__ __forceinline__ T conv_z(const T *u, const T *K, const T *b, int n, int o, int y,
+                                    int x, int Ci, int H, int W) {
+    T z = b[o];
+    for (int c = 0; c < Ci; ++c) {
+        const T *uc = u + ((long long)n * Ci + c) * H * W;
+        const T *kc = K + ((long long)o * Ci + c) * 9;
+        for (int dy = 0; dy < 3; ++dy) {
+            const int yy = y + dy - 1;
+            if (yy < 0 || yy >= H) continue;
+            for (int dx = 0; dx < 3; ++dx) {
+                const int xx = x + dx - 1;
+                if (xx >= 0 && xx < W) z += kc[dy * 3 + dx] * uc[yy * W + xx];
+            }
+        }
+    }
+    return z;
+}
+
+template <typename T>
+__device__ __forceinline__ void conv_forward_body(const T *u, const T *K, const T *b, T *y,
+                                                  T *deriv, int B, int Ci, int Co, int H, int W,
+                                                  T h, int act, int residual, int start,
+                                                  int stride) {
+    const int total = B * Co * H * W;
+    for (int e = start; e < total; e += stride) {
+        const int xw = e % W, yh = (e / W) % H, o = (e / (W * H)) % Co, n = e / (W * H * Co);
+        T s, ds;
+        activate(conv_z(u, K, b, n, o, yh, xw, Ci, H, W), act, s, ds);
+        if (y) y[e] = (residual ? u[e] : T(0)) + h * s;
+        if (deriv) deriv[e] = ds;
+    }
+}
+
+// y = [u +] h sigma(conv(u, K) + b), deriv = sigma'(...), both (B, Co, H, W), either may be null.
+// 1-D grid-stride over the B Co H W outputs (one output per thread and pass).
+template <typename T>
+__global__ void conv_forward(const T *u, const T *K, const T *b, T *y, T *deriv, int B, int Ci,
+                             int Co, int H, int W, T h, int act, int residual) {
+    conv_forward_body(u, K, b, y, deriv, B, Ci, Co, H, W, h, act, residual,
+                      blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x);
+}
+
+// Interval-batched residual forward: problem p = blockIdx.y steps us[p] with layer layers[p] of
+// K (L, C, C, 3, 3) and b (L, C); derivs may be null.
+template <typename T>
+__global__ void conv_forward_batched(const T *const *us, const T *K, const T *b, T *const *ys,
+                                     T *const *derivs, const int *layers, int B, int C, int H,
+                                     int W, T h, int act) {
+    const int p = blockIdx.y, l = layers[p];
+    conv_forward_body(us[p], K + (long long)l * C * C * 9, b + (long long)l * C, ys[p],
+                      derivs ? derivs[p] : (T *)nullptr, B, C, C, H, W, h, act, 1,
+                      blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x);
+}
+
+// ---------------------------------------------------------------------------------- state vjp
+template <typename T>
+__device__ __forceinline__ void conv_vjp_input_body(const T *gy, const T *deriv, const T *K,
+                                                    T *gx, int B, int Ci, int Co, int H, int W,
+                                                    T h, int residual, int start, int stride) {
+    const int total = B * Ci * H * W;
+    for (int e = start; e < total; e += stride) {
+        const int xw = e % W, yh = (e / W) % H, c = (e / (W * H)) % Ci, n = e / (W * H * Ci);
+        T acc = T(0);
+        for (int o = 0; o < Co; ++o) {
+            const long long base = ((long long)n * Co + o) * H * W;
+            const T *ko = K + ((long long)o * Ci + c) * 9;
+            for (int dy = 0; dy < 3; ++dy) {
+                const int yy = yh - dy + 1;  // the output row that read input row yh via dy
+                if (yy < 0 || yy >= H) continue;
+                for (int dx = 0; dx < 3; ++dx) {
+                    const int xx = xw - dx + 1;
+                    if (xx < 0 || xx >= W) continue;
+                    const long long at = base + yy * W + xx;
+                    acc += ko[dy * 3 + dx] * deriv[at] * gy[at];
+                }
+            }
+        }
+        gx[e] = (residual ? gy[e] : T(0)) + h * acc;
+    }
+}
+
+// gx (B, Ci, H, W) = [gy +] h conv^T(deriv * gy, K), gy and deriv (B, Co, H, W). 1-D grid-stride.
+template <typename T>
+__global__ void conv_vjp_input(const T *gy, const T *deriv, const T *K, T *gx, int B, int Ci,
+                               int Co, int H, int W, T h, int residual) {
+    conv_vjp_input_body(gy, deriv, K, gx, B, Ci, Co, H, W, h, residual,
+                        blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x);
+}
+
+// Interval-batched state vjp: gxs[p] = gys[p] + h conv^T(derivs[p] * gys[p], K_l), l = layers[p].
+template <typename T>
+__global__ void conv_vjp_input_batched(const T *const *gys, const T *const *derivs, const T *K,
+                                       T *const *gxs, const int *layers, int B, int C, int H,
+                                       int W, T h) {
+    const int p = blockIdx.y;
+    conv_vjp_input_body(gys[p], derivs[p], K + (long long)layers[p] * C * C * 9, gxs[p], B, C, C,
+                        H, W, h, 1, blockIdx.x * blockDim.x + threadIdx.x,
+                        gridDim.x * blockDim.x);
+}
+
+// ------------------------------------------------------------------------------ kernel grad
+// gK[o, c, dy, dx] = h sum_{n, y, x} (deriv * gy)[n, o, y, x] u[n, c, y+dy-1, x+dx-1]: one block
+// of MGNN_REDUCE threads per entry of gK (blockIdx.x = ((o Ci + c) 3 + dy) 3 + dx).
+template <typename T>
+__global__ void conv_kernel_grad(const T *gy, const T *deriv, const T *u, T *gK, int B, int Ci,
+                                 int Co, int H, int W, T h) {
+    __shared__ T scratch[MGNN_REDUCE];
+    const int entry = blockIdx.x, dx = entry % 3, dy = (entry / 3) % 3, c = (entry / 9) % Ci,
+              o = entry / (9 * Ci);
+    const int count = B * H * W;
+    T s = T(0);
+    for (int e = threadIdx.x; e < count; e += MGNN_REDUCE) {
+        const int xw = e % W, yh = (e / W) % H, n = e / (W * H);
+        const int yy = yh + dy - 1, xx = xw + dx - 1;
+        if (yy < 0 || yy >= H || xx < 0 || xx >= W) continue;
+        const long long at = (((long long)n * Co + o) * H + yh) * W + xw;
+        s += deriv[at] * gy[at] * u[(((long long)n * Ci + c) * H + yy) * W + xx];
+    }
+    const T total = block_sum(s, scratch);
+    if (threadIdx.x == 0) gK[entry] = h * total;
+}

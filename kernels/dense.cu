@@ -1,0 +1,200 @@
+// Dense residual-block steps: fused forward, state vjp, parameter vjp, and their interval-batched
+// forms. Launch contracts: kernels/README.md. Row-major arrays; B batch rows, I inputs, O outputs.
+#include "common.cuh"
+
+// C(m, n) = sum_k A(m, k) B(k, n) over one BM x BN tile of C per block, then store(m, n, c) for
+// every (m, n) of the tile inside M x N. A and B come through loaders; A_K / B_K: the loader's k
+// index is the contiguous one in memory (loads then run along k for coalescing), else m / n is.
+// Thread (tx, ty) owns rows ty + i * TY and columns tx + j * TX of the tile (coalesced stores).
+template <typename T, bool A_K, bool B_K, class LoadA, class LoadB, class Store>
+__device__ __forceinline__ void gemm_tile(int M, int N, int K, const LoadA &load_a,
+                                          const LoadB &load_b, const Store &store) {
+    constexpr int TX = MGNN_BN / MGNN_TN, TY = MGNN_BM / MGNN_TM, NT = TX * TY;
+    __shared__ T As[MGNN_BK][MGNN_BM + 1];
+    __shared__ T Bs[MGNN_BK][MGNN_BN + 1];
+    const int tid = threadIdx.x, tx = tid % TX, ty = tid / TX;
+    const int m0 = blockIdx.y * MGNN_BM, n0 = blockIdx.x * MGNN_BN;
+    T acc[MGNN_TM][MGNN_TN];
+    for (int i = 0; i < MGNN_TM; ++i)
+        for (int j = 0; j < MGNN_TN; ++j) acc[i][j] = T(0);
+    for (int k0 = 0; k0 < K; k0 += MGNN_BK) {
+        for (int e = tid; e < MGNN_BM * MGNN_BK; e += NT) {
+            const int mm = A_K ? e / MGNN_BK : e % MGNN_BM;
+            const int kk = A_K ? e % MGNN_BK : e / MGNN_BM;
+            const int m = m0 + mm, k = k0 + kk;
+            As[kk][mm] = (m < M && k < K) ? load_a(m, k) : T(0);
+        }
+        for (int e = tid; e < MGNN_BN * MGNN_BK; e += NT) {
+            const int nn = B_K ? e / MGNN_BK : e % MGNN_BN;
+            const int kk = B_K ? e % MGNN_BK : e / MGNN_BN;
+            const int n = n0 + nn, k = k0 + kk;
+            Bs[kk][nn] = (n < N && k < K) ? load_b(k, n) : T(0);
+        }
+        __syncthreads();
+        for (int kk = 0; kk < MGNN_BK; ++kk) {
+            T a[MGNN_TM], b[MGNN_TN];
+            for (int i = 0; i < MGNN_TM; ++i) a[i] = As[kk][ty + i * TY];
+            for (int j = 0; j < MGNN_TN; ++j) b[j] = Bs[kk][tx + j * TX];
+            for (int i = 0; i < MGNN_TM; ++i)
+                for (int j = 0; j < MGNN_TN; ++j) acc[i][j] += a[i] * b[j];
+        }
+        __syncthreads();
+    }
+    for (int i = 0; i < MGNN_TM; ++i) {
+        const int m = m0 + ty + i * TY;
+        for (int j = 0; j < MGNN_TN; ++j) {
+            const int n = n0 + tx + j * TX;
+            if (m < M && n < N) store(m, n, acc[i][j]);
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------ forward
+template <typename T>
+struct RowLoad {  // A(m, k) = x[m, k] (row-major, K contiguous)
+    const T *x;
+    int ld;
+    __device__ T operator()(int m, int k) const { return x[m * ld + k]; }
+};
+
+template <typename T>
+struct WeightT {  // B(k, n) = W[n, k]: the transposed weight (K contiguous)
+    const T *W;
+    int ld;
+    __device__ T operator()(int k, int n) const { return W[n * ld + k]; }
+};
+
+template <typename T>
+struct ForwardStore {  // y = [x +] h sigma(z + b); deriv = sigma'(z + b); either may be null
+    const T *x, *b;
+    T *y, *deriv;
+    int O;
+    T h;
+    int act, residual;
+    __device__ void operator()(int m, int n, T z) const {
+        T s, ds;
+        activate(z + b[n], act, s, ds);
+        if (y) y[m * O + n] = (residual ? x[m * O + n] : T(0)) + h * s;
+        if (deriv) deriv[m * O + n] = ds;
+    }
+};
+
+template <typename T>
+__device__ __forceinline__ void dense_forward_body(const T *x, const T *W, const T *b, T *y,
+                                                   T *deriv, int B, int I, int O, T h, int act,
+                                                   int residual) {
+    gemm_tile<T, true, true>(B, O, I, RowLoad<T>{x, I}, WeightT<T>{W, I},
+                             ForwardStore<T>{x, b, y, deriv, O, h, act, residual});
+}
+
+// y (B, O) = [x +] h sigma(x W^T + b); deriv (B, O) = sigma'(x W^T + b). y or deriv may be null.
+template <typename T>
+__global__ void dense_forward(const T *x, const T *W, const T *b, T *y, T *deriv, int B, int I,
+                              int O, T h, int act, int residual) {
+    dense_forward_body(x, W, b, y, deriv, B, I, O, h, act, residual);
+}
+
+// Interval-batched residual forward: problem p = blockIdx.z steps state xs[p] with layer
+// layers[p] of W (L, w, w) and b (L, w): ys[p] = xs[p] + h sigma(xs[p] W_l^T + b_l), and
+// derivs[p] = sigma' when derivs is not null (then every derivs[p] must be set).
+template <typename T>
+__global__ void dense_forward_batched(const T *const *xs, const T *W, const T *b, T *const *ys,
+                                      T *const *derivs, const int *layers, int B, int w, T h,
+                                      int act) {
+    const int p = blockIdx.z, l = layers[p];
+    dense_forward_body(xs[p], W + (long long)l * w * w, b + (long long)l * w, ys[p],
+                       derivs ? derivs[p] : (T *)nullptr, B, w, w, h, act, 1);
+}
+
+// ---------------------------------------------------------------------------------- state vjp
+template <typename T>
+struct ScaledCotangent {  // A(m, k) = deriv[m, k] gy[m, k] (K contiguous)
+    const T *gy, *deriv;
+    int ld;
+    __device__ T operator()(int m, int k) const { return deriv[m * ld + k] * gy[m * ld + k]; }
+};
+
+template <typename T>
+struct WeightRows {  // B(k, n) = W[k, n] (N contiguous)
+    const T *W;
+    int ld;
+    __device__ T operator()(int k, int n) const { return W[k * ld + n]; }
+};
+
+template <typename T>
+struct VjpInputStore {  // gx = [gy +] h c
+    const T *gy;
+    T *gx;
+    int I;
+    T h;
+    int residual;
+    __device__ void operator()(int m, int n, T c) const {
+        gx[m * I + n] = (residual ? gy[m * I + n] : T(0)) + h * c;
+    }
+};
+
+template <typename T>
+__device__ __forceinline__ void dense_vjp_input_body(const T *gy, const T *deriv, const T *W,
+                                                     T *gx, int B, int I, int O, T h,
+                                                     int residual) {
+    gemm_tile<T, true, false>(B, I, O, ScaledCotangent<T>{gy, deriv, O}, WeightRows<T>{W, I},
+                              VjpInputStore<T>{gy, gx, I, h, residual});
+}
+
+// gx (B, I) = [gy +] h (deriv * gy) W, with gy and deriv (B, O), W (O, I).
+template <typename T>
+__global__ void dense_vjp_input(const T *gy, const T *deriv, const T *W, T *gx, int B, int I,
+                                int O, T h, int residual) {
+    dense_vjp_input_body(gy, deriv, W, gx, B, I, O, h, residual);
+}
+
+// Interval-batched state vjp: gxs[p] = gys[p] + h (derivs[p] * gys[p]) W_l, l = layers[p].
+template <typename T>
+__global__ void dense_vjp_input_batched(const T *const *gys, const T *const *derivs,
+                                        const T *W, T *const *gxs, const int *layers, int B,
+                                        int w, T h) {
+    const int p = blockIdx.z;
+    dense_vjp_input_body(gys[p], derivs[p], W + (long long)layers[p] * w * w, gxs[p], B, w, w,
+                         h, 1);
+}
+
+// ------------------------------------------------------------------------------ parameter vjp
+template <typename T>
+struct ScaledCotangentT {  // A(m, k) = deriv[k, m] gy[k, m]: m = output o, k = batch row (M contiguous)
+    const T *gy, *deriv;
+    int ld;
+    __device__ T operator()(int m, int k) const { return deriv[k * ld + m] * gy[k * ld + m]; }
+};
+
+template <typename T>
+struct ScaledStore {  // out = h c
+    T *out;
+    int ld;
+    T h;
+    __device__ void operator()(int m, int n, T c) const { out[m * ld + n] = h * c; }
+};
+
+// gW (O, I) = h (deriv * gy)^T x, with gy and deriv (B, O), x (B, I).
+template <typename T>
+__global__ void dense_weight_grad(const T *gy, const T *deriv, const T *x, T *gW, int B, int I,
+                                  int O, T h) {
+    gemm_tile<T, false, false>(O, I, B, ScaledCotangentT<T>{gy, deriv, O}, WeightRows<T>{x, I},
+                               ScaledStore<T>{gW, I, h});
+}
+
+// gb[c] = h sum over n < outer, i < inner of (deriv * gy)[n, c, i], for gy and deriv of shape
+// (outer, C, inner): dense (B, O) has inner 1, conv (B, C, H, W) has inner H W. One block of
+// MGNN_REDUCE threads per channel c = blockIdx.x.
+template <typename T>
+__global__ void bias_grad(const T *gy, const T *deriv, T *gb, int outer, int C, int inner, T h) {
+    __shared__ T scratch[MGNN_REDUCE];
+    const int c = blockIdx.x, count = outer * inner;
+    T s = T(0);
+    for (int e = threadIdx.x; e < count; e += MGNN_REDUCE) {
+        const int n = e / inner, i = e % inner;
+        const long long at = ((long long)n * C + c) * inner + i;
+        s += deriv[at] * gy[at];
+    }
+    const T total = block_sum(s, scratch);
+    if (threadIdx.x == 0) gb[c] = h * total;
+}

@@ -1,0 +1,113 @@
+"""Interval-batched relaxation: one propagator call advances every F-interval of a rank by one
+step; results equal point-by-point relaxation, and a sweep costs cf calls instead of N."""
+import numpy as np
+import pytest
+
+import mgnn
+from mgnn import MGRITOptions, MGRITSolver
+from tests.mgrit.test_solver import TanhResNet
+
+
+class Batched(TanhResNet):
+    """TanhResNet with step_batch; records the size and level of every call."""
+
+    batched = True
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.calls = []
+
+    def step(self, u, start, stop, level):
+        self.calls.append((level, 1))
+        return super().step(u, start, stop, level)
+
+    def step_batch(self, us, starts, stops, level):
+        assert len({b - a for a, b in zip(starts, stops)}) == 1  # one level, one step size
+        self.calls.append((level, len(us)))
+        return [TanhResNet.step(self, u, a, b, level) for u, a, b in zip(us, starts, stops)]
+
+
+def _resnet(rng, n, w=3):
+    return (rng.standard_normal((n, w, w)) * 0.6, rng.standard_normal((n, w)), 1.0 / n)
+
+
+@pytest.mark.parametrize("levels, cf, nrelax, skip, cycle", [
+    (2, 2, 1, False, "V"), (3, 4, [0, 1], False, "V"), (4, 2, [0, 1, 2], True, "F"),
+    (3, 3, 0, True, "V")])
+def test_batched_solve_equals_pointwise(levels, cf, nrelax, skip, cycle, rng):
+    n = 73
+    args = _resnet(rng, n)
+    opts = MGRITOptions(cf=cf, max_levels=levels, nrelax=nrelax, tol=0.0, max_iter=3,
+                        skip_downcycle=skip, cycle=cycle)
+    u0 = rng.standard_normal(3)
+    plain = MGRITSolver(TanhResNet(*args), n, opts).solve(u0)
+    prop = Batched(*args)
+    batched = MGRITSolver(prop, n, opts).solve(u0)
+    assert max(size for _, size in prop.calls) > 1  # batching really happened
+    np.testing.assert_array_equal(batched.residuals, plain.residuals)
+    for a, b in zip(batched.states, plain.states):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("cf", [2, 4, 8])
+def test_f_relaxation_sweep_costs_cf_minus_one_calls(cf, rng):
+    n = 16 * cf
+    prop = Batched(*_resnet(rng, n))
+    solver = MGRITSolver(prop, n, MGRITOptions(cf=cf, max_levels=2))
+    U = [rng.standard_normal(3) for _ in range(n + 1)]
+    solver._template = U[0]
+    solver._f_relax(U, None, 0)
+    assert prop.calls == [(0, n // cf)] * (cf - 1)  # cf - 1 waves of all 16 intervals
+    prop.calls.clear()
+    solver._c_relax(U, None, 0)
+    assert prop.calls == [(0, n // cf)]  # every C-point at once
+
+
+def _models(kind, n):
+    if kind == "dense":
+        return mgnn.dense_resnet(5, 6, 3, n, t_final=1.5, seed=2), (4, 5)
+    return mgnn.conv_resnet(1, 2, (4, 4), 3, n, t_final=1.5, seed=2), (3, 1, 4, 4)
+
+
+@pytest.mark.parametrize("kind", ["dense", "conv"])
+def test_network_batched_equals_unbatched(kind, rng, monkeypatch):
+    """LayerParallel on the numba backend with batching forced on gives the same inexact (2/1
+    cycles) loss and gradients as without: batching reorders independent steps only."""
+    from mgnn.backend import numba_cpu
+    m, xshape = _models(kind, 24)
+    x, y = rng.standard_normal(xshape), rng.integers(0, 3, xshape[0])
+    fwd = MGRITOptions(cf=2, max_levels=3, max_iter=2, tol=0.0)
+    bwd = MGRITOptions(cf=2, max_levels=3, max_iter=1, tol=0.0)
+    loss0, g0 = mgnn.LayerParallel(m, fwd, bwd, backend="numba").loss_and_grad(x, y)
+    monkeypatch.setattr(numba_cpu, "batched_relaxation", True)
+    lp = mgnn.LayerParallel(m, fwd, bwd, backend="numba")
+    assert lp._solver("forward", fwd).batched and lp._solver("adjoint", bwd).batched
+    loss, g = lp.loss_and_grad(x, y)
+    assert loss == loss0
+    for k in g0:
+        np.testing.assert_array_equal(g[k], g0[k], err_msg=k)
+
+
+@pytest.mark.parametrize("kind", ["dense", "conv"])
+def test_emulated_gpu_training_step_equals_numba(kind, rng):
+    """The whole MGRIT training step through the GPU kernels and their batched launches (host
+    emulation) equals the numba backend: float64 rtol 1e-10."""
+    from mgnn.backend import get_backend
+    m, xshape = _models(kind, 12)
+    x, y = rng.standard_normal(xshape), rng.integers(0, 3, xshape[0])
+    fwd = MGRITOptions(cf=2, max_levels=3, max_iter=2, tol=0.0)
+    bwd = MGRITOptions(cf=2, max_levels=3, max_iter=1, tol=0.0)
+    loss0, g0 = mgnn.LayerParallel(m, fwd, bwd, backend="numba").loss_and_grad(x, y)
+    bk = get_backend("cuda-emulated")
+    seen = []
+    launch = bk.launcher.launch
+    bk.launcher.launch = lambda name, *a: (seen.append(name), launch(name, *a))
+    try:
+        loss, g = mgnn.LayerParallel(m, fwd, bwd, backend="cuda-emulated").loss_and_grad(x, y)
+    finally:
+        bk.launcher.launch = launch
+    assert f"{kind}_forward_batched" in seen and f"{kind}_vjp_input_batched" in seen
+    assert abs(loss - loss0) <= 1e-10 * abs(loss0)
+    for k in g0:
+        np.testing.assert_allclose(g[k], g0[k], rtol=1e-10, atol=1e-10 * np.abs(g0[k]).max(),
+                                   err_msg=k)
