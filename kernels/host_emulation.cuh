@@ -85,10 +85,13 @@ int launch(void (*kernel)(A...), const unsigned *grid, const unsigned *block, vo
 
 // extern "C" int mgnn_emu_<kernel>_f32 / _f64(grid[3], block[3], args): the float and double
 // instantiations of a kernel template, for ctypes.
+// Only these are exported: the build uses -fvisibility=hidden -fno-gnu-unique, so that two
+// emulation libraries (e.g. two launch geometries) in one process never share a __shared__ array.
+#define MGNN_EMU_VISIBLE extern "C" __attribute__((visibility("default"))) int
 #define MGNN_EMU_EXPORT(kernel)                                                              \
-    extern "C" int mgnn_emu_##kernel##_f32(const unsigned *g, const unsigned *b, void **a) { \
+    MGNN_EMU_VISIBLE mgnn_emu_##kernel##_f32(const unsigned *g, const unsigned *b, void **a) { \
         return mgnn_emu::launch(&kernel<float>, g, b, a);                                   \
     }                                                                                        \
-    extern "C" int mgnn_emu_##kernel##_f64(const unsigned *g, const unsigned *b, void **a) { \
+    MGNN_EMU_VISIBLE mgnn_emu_##kernel##_f64(const unsigned *g, const unsigned *b, void **a) { \
         return mgnn_emu::launch(&kernel<double>, g, b, a);                                  \
     }

@@ -320,3 +320,37 @@ class RawBackend:
         self._launch("softmax_xent", logits.dtype, (B, 1, 1), (self.geometry["REDUCE"], 1, 1),
                      logits, y, g, rows, B, K)
         return rows.mean(), g
+
+
+def nvcc_source():
+    """CUDA C that includes every kernel file and takes the address of every kernel template for
+    float and double, so that a whole-program ``nvcc -c`` compiles every instantiation."""
+    lines = [f'#include "{f}"' for f in KERNEL_FILES]
+    lines.append("void *mgnn_kernel_instances[] = {")
+    lines += [f"    (void *)&{k}<{t}>," for names in KERNEL_FILES.values() for k in names
+              for t in ("float", "double")]
+    lines.append("};")
+    return "\n".join(lines) + "\n"
+
+
+def compile_with_nvcc(arch="sm_90", geometry=None, nvcc="nvcc"):
+    """Compile every kernel instantiation with ``nvcc -arch=<arch>``, warnings as errors.
+
+    Returns the compiler's output (empty when clean). Raises ``RuntimeError`` with the
+    compiler's messages on any error or warning, ``FileNotFoundError`` if ``nvcc`` is missing.
+    """
+    import os
+    import subprocess
+    import tempfile
+    geometry = GPU_GEOMETRY if geometry is None else geometry
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "mgnn_kernels.cu")
+        with open(src, "w") as fh:
+            fh.write(nvcc_source())
+        cmd = [nvcc, f"-arch={arch}", "-std=c++17", "-Werror", "all-warnings",
+               "-Xcompiler", "-Wall,-Wextra,-Werror", f"-I{kernel_dir()}",
+               *geometry_flags(geometry), "-c", src, "-o", os.path.join(tmp, "k.o")]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{proc.stdout}{proc.stderr}")
+        return proc.stdout + proc.stderr

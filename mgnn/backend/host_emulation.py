@@ -60,7 +60,8 @@ def build_library(files, kernels_of, geometry, compiler=None):
         raise EmulationBuildError("host emulation needs a C++20 compiler (g++); none found")
     kdir = kernel_dir()
     source = emulation_source(files, kernels_of)
-    flags = ["-std=c++20", "-O1", "-fPIC", "-shared", "-pthread", "-Wall", "-Wextra", "-Werror",
+    flags = ["-std=c++20", "-O1", "-fPIC", "-shared", "-pthread", "-fvisibility=hidden",
+             "-fno-gnu-unique", "-Wall", "-Wextra", "-Werror",
              f"-I{kdir}"] + [f"-DMGNN_{k}={v}" for k, v in sorted(geometry.items())
                              if k != "MAX_GRID"]
     digest = hashlib.sha256()

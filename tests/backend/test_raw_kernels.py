@@ -1,0 +1,184 @@
+"""The GPU RawKernels (kernels/*.cu) on a machine without a GPU: nvcc compiles every one for
+sm_90 without warnings, the host emulation runs every one (the contract tests of test_kernels.py
+compare them with the reference on tiny tiles), and the real-GPU twins run where CuPy sees one."""
+import shutil
+
+import numpy as np
+import pytest
+
+from mgnn.backend import get_backend, gpu_available, numpy_ref as REF
+from mgnn.backend.cupy_raw import GPU_GEOMETRY, KERNEL_FILES, RawBackend, compile_with_nvcc
+from mgnn.backend.host_emulation import EMULATION_GEOMETRY, EmulationLauncher
+from tests.conftest import assert_close
+
+ALL_KERNELS = {k for names in KERNEL_FILES.values() for k in names}
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("arch", ["sm_90"])
+def test_nvcc_compiles_every_kernel_without_warnings(arch):
+    out = compile_with_nvcc(arch)
+    assert "warning" not in out.lower(), out
+
+
+def test_nvcc_check_fails_on_a_warning(tmp_path, monkeypatch):
+    """The compile check can fail: a kernel with an unused variable is rejected."""
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc is not installed")
+    import mgnn.backend.cupy_raw as raw
+    src = tmp_path / "bad.cu"
+    src.write_text("template <typename T> __global__ void bad(T *x) { int unused = 3; x[0] = 1; }\n")
+    monkeypatch.setattr(raw, "KERNEL_FILES", {"bad.cu": ("bad",)})
+    monkeypatch.setattr(raw, "kernel_dir", lambda: str(tmp_path))
+    with pytest.raises(RuntimeError, match="unused"):
+        raw.compile_with_nvcc("sm_90")
+
+
+def _exercise(bk, rng, dt, B=9, w=10):
+    """Call every RawBackend entry point once; returns {kernel method: (result, reference)}."""
+    r = lambda *s: rng.standard_normal(s).astype(dt)  # noqa: E731
+    h = np.dtype(dt).type(0.3)
+    x, W, b, g = r(B, w), r(w, w), r(w), r(B, w)
+    d = REF.dense_deriv(x, W, b, 0)
+    u, K, cb, gu = r(2, 3, 4, 4), r(3, 3, 3, 3), r(3), r(2, 3, 4, 4)
+    cd = REF.conv_deriv(u, K, cb, 0)
+    logits, y = r(5, 7), rng.integers(0, 7, 5)
+    U = np.zeros((4, B, w), dt)
+    U[0] = x
+    D = np.zeros((3, B, w), dt)
+    Ws, bs = r(3, w, w) * 0.5, r(3, w)
+    Ur, Dr = U.copy(), D.copy()
+    bk.dense_sweep_forward(U, Ws, bs, h, 0, D)
+    REF.dense_sweep_forward(Ur, Ws, bs, h, 0, Dr)
+    gW, gb, gWr, gbr = np.zeros_like(Ws), np.zeros_like(bs), np.zeros_like(Ws), np.zeros_like(bs)
+    out = {
+        "dense_forward_deriv": (bk.dense_forward_deriv(x, W, b, h, 0, True),
+                                REF.dense_forward_deriv(x, W, b, h, 0, True)),
+        "dense_vjp": (bk.dense_vjp(g, d, x, W, h, True), REF.dense_vjp(g, d, x, W, h, True)),
+        "dense_sweeps": ((U, D, bk.dense_sweep_backward(U, D, Ws, h, g, gW, gb), gW, gb),
+                         (Ur, Dr, REF.dense_sweep_backward(Ur, Dr, Ws, h, g, gWr, gbr), gWr,
+                          gbr)),
+        "dense_batched": ((bk.dense_forward_batched([x, g], Ws, bs, [2, 0], h, 0, True),
+                           bk.dense_vjp_input_batched([g], [d], Ws, [1], h)),
+                          (REF.dense_forward_batched([x, g], Ws, bs, [2, 0], h, 0, True),
+                           REF.dense_vjp_input_batched([g], [d], Ws, [1], h))),
+        "conv_forward_deriv": (bk.conv_forward_deriv(u, K, cb, h, 1, True),
+                               REF.conv_forward_deriv(u, K, cb, h, 1, True)),
+        "conv_vjp": (bk.conv_vjp(gu, cd, u, K, h, True), REF.conv_vjp(gu, cd, u, K, h, True)),
+        "conv_batched": ((bk.conv_forward_batched([u], K[None], cb[None], [0], h, 0, False)[0],
+                          bk.conv_vjp_input_batched([gu], [cd], K[None], [0], h)),
+                         (REF.conv_forward_batched([u], K[None], cb[None], [0], h, 0, False)[0],
+                          REF.conv_vjp_input_batched([gu], [cd], K[None], [0], h))),
+        "avgpool": ((bk.avgpool_forward(u, 2), bk.avgpool_vjp(gu[:, :, :2, :2].copy(), 4, 4)),
+                    (REF.avgpool_forward(u, 2), REF.avgpool_vjp(gu[:, :, :2, :2], 4, 4))),
+        "softmax_xent": (bk.softmax_xent(logits, y), REF.softmax_xent(logits, y)),
+    }
+    return out
+
+
+def _flatten(a):
+    if isinstance(a, (tuple, list)):
+        return [z for v in a for z in _flatten(v)]
+    return [a]
+
+
+def _compare(results, dt):
+    for name, (got, want) in results.items():
+        got, want = _flatten(got), _flatten(want)
+        assert len(got) == len(want), name
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert_close(np.asarray(a, dtype=dt), np.asarray(b), dt, f"{name}[{i}]")
+
+
+@pytest.mark.parametrize("geometry", ["emulation", "gpu"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_every_kernel_runs_under_host_emulation(geometry, dtype, rng):
+    """Every kernel template of every .cu file is launched (tiny tiles, and the real GPU tile
+    sizes with 256-thread blocks) and matches the reference; outputs are poisoned with NaN."""
+    geo = EMULATION_GEOMETRY if geometry == "emulation" else dict(GPU_GEOMETRY, MAX_GRID=4)
+    bk = RawBackend(EmulationLauncher(list(KERNEL_FILES), KERNEL_FILES, geo), "cuda-emulated")
+    bk.poison_outputs = True
+    seen = set()
+    launch = bk.launcher.launch
+    bk.launcher.launch = lambda name, *a: (seen.add(name), launch(name, *a))
+    B, w = (9, 10) if geometry == "emulation" else (70, 67)  # several blocks either way
+    _compare(_exercise(bk, rng, np.dtype(dtype), B, w), np.dtype(dtype))
+    assert seen == ALL_KERNELS
+
+
+def test_poisoned_outputs_catch_an_unwritten_element(rng):
+    """The poison makes a kernel that skips work fail the comparison."""
+    bk = RawBackend(EmulationLauncher(list(KERNEL_FILES), KERNEL_FILES), "cuda-emulated")
+    bk.poison_outputs = True
+    x = rng.standard_normal((9, 10))
+    W, b = rng.standard_normal((10, 10)), rng.standard_normal(10)
+    real = bk.launcher.launch
+
+    def first_block_only(name, dtype, grid, block, args):
+        real(name, dtype, (1, 1, 1), block, args)
+
+    bk.launcher.launch = first_block_only
+    y = bk.dense_forward(x, W, b, 0.5, 0, True)
+    assert np.isnan(y).any()
+    with pytest.raises(AssertionError):
+        assert_close(y, REF.dense_forward(x, W, b, 0.5, 0, True), "float64")
+
+
+def test_emulation_build_is_cached_and_warning_free(tmp_path, monkeypatch):
+    monkeypatch.setenv("MGNN_CACHE_DIR", str(tmp_path))
+    from mgnn.backend import host_emulation
+    host_emulation.build_library(list(KERNEL_FILES), KERNEL_FILES, EMULATION_GEOMETRY)
+    libs = list((tmp_path / "host_emulation").glob("*.so"))
+    assert len(libs) == 1
+    mtime = libs[0].stat().st_mtime_ns
+    host_emulation.build_library(list(KERNEL_FILES), KERNEL_FILES, EMULATION_GEOMETRY)
+    assert libs[0].stat().st_mtime_ns == mtime  # reused, not rebuilt
+
+
+def test_cuda_backend_without_gpu_is_a_clear_error():
+    from mgnn.backend import BackendUnavailableError
+    if gpu_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(BackendUnavailableError, match="cuda-emulated"):
+        get_backend("cuda")
+    with pytest.raises(ValueError, match="'cuda'"):
+        get_backend("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_available(), reason="needs a CUDA GPU (cupy.cuda.is_available())")
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_every_kernel_on_the_gpu(dtype, rng):
+    """The GPU twin of the emulation test: CuPy arrays, RawModule launches, same tolerances."""
+    import cupy
+    bk = get_backend("cuda")
+    bk.poison_outputs = True
+
+    class Host:
+        """Calls the GPU backend with host arrays: uploads, runs, downloads."""
+
+        def __getattr__(self, name):
+            fn = getattr(bk, name)
+
+            def call(*args):
+                dev = [_to_dev(a) for a in args]
+                out = fn(*dev)
+                for a, d in zip(args, dev):  # in-place outputs (sweeps) back to the host
+                    if isinstance(a, np.ndarray) and isinstance(d, cupy.ndarray):
+                        a[...] = cupy.asnumpy(d)
+                return _to_host(out)
+            return call
+
+    def _to_dev(a):
+        if isinstance(a, np.ndarray):
+            return cupy.asarray(a)
+        if isinstance(a, list):
+            return [_to_dev(v) for v in a]
+        return a
+
+    def _to_host(a):
+        if isinstance(a, (tuple, list)):
+            return type(a)(_to_host(v) for v in a)
+        return cupy.asnumpy(a) if isinstance(a, cupy.ndarray) else a
+
+    _compare(_exercise(Host(), rng, np.dtype(dtype), 70, 67), np.dtype(dtype))
