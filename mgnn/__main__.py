@@ -31,7 +31,9 @@ def _train_parser(sub):
     a("--limit-train", type=int, default=None, help="use only the first n training samples")
     a("--limit-test", type=int, default=None, help="use only the first n test samples")
     a("--dtype", choices=["float32", "float64"], default="float32")
-    a("--backend", choices=["numpy", "numba"], default="numba")
+    a("--backend", choices=["numpy", "numba", "cuda", "cuda-emulated"], default="numba",
+      help="numba (CPU), numpy (reference), cuda (GPU: CuPy + RawKernels + Numba CUDA), "
+           "cuda-emulated (the GPU kernels compiled for the CPU: slow, for checking)")
     a("--seed", type=int, default=0, help="seeds the initial parameters and the shuffling")
     g = p.add_argument_group("MGRIT (layer-parallel propagation; --levels 1 = layer by layer)")
     g.add_argument("--levels", type=int, default=1, help="MGRIT max levels (default 1: serial)")
@@ -164,10 +166,11 @@ def cmd_train(args, comm=None):
     xtr = ds.as_model_input(ds.x_train, args.model, model.dtype)
     xte = ds.as_model_input(ds.x_test, args.model, model.dtype)
     lr = args.lr if args.lr is not None else (0.05 if args.optimizer == "sgd" else 0.003)
-    opt = make_optimizer(args.optimizer, model.params.flat, lr, args.momentum, args.weight_decay)
     fwd, bwd = _mgrit_options(args)
     lp = LayerParallel(model, fwd=fwd, bwd=bwd, backend=args.backend, warm_start=args.warm_start,
                        comm=comm, data_ranks=args.data_ranks)
+    # after LayerParallel: the cuda backend has moved the parameters to the GPU
+    opt = make_optimizer(args.optimizer, model.params.flat, lr, args.momentum, args.weight_decay)
     rng = np.random.default_rng(args.seed)
     start, step = 0, 0
     if args.resume:
@@ -181,7 +184,7 @@ def cmd_train(args, comm=None):
     if comm is not None:
         log(f"MPI: {lp.layout.size} ranks = {lp.layout.layer_size} layer ranks x "
             f"{lp.layout.data_ranks} data replicas; layer blocks start at "
-            f"{list(lp.partition.starts)}; messages through host buffers")
+            f"{list(lp.partition.starts)}; messages: {lp.message_path()}")
     if fwd is not None:
         from .mgrit import level_sizes
         sizes = level_sizes(args.layers, args.cf, args.levels, args.min_coarse)
@@ -218,7 +221,7 @@ def cmd_train(args, comm=None):
 
 def _print_timings(comm, lp, timings, train_s, log):
     """Gather every rank's per-phase seconds and print one table on rank 0."""
-    phases = ("steps", "vector", "halo_wait", "allreduce")
+    phases = ("steps", "vector", "halo_wait", "allreduce", "staging")
     other = train_s - sum(timings.get(k, 0.0) for k in phases)
     row = (lp.layout.rank, lp.layout.layer_rank, lp.layout.replica,
            *(timings.get(k, 0.0) for k in phases), other, train_s)
@@ -226,13 +229,13 @@ def _print_timings(comm, lp, timings, train_s, log):
     if rows is None:
         return
     log("timings (s, whole training; steps = layer step kernels, vector = MGRIT FAS vector "
-        "kernels, other = Python, loss, optimizer, evaluation): MPI path: host buffers "
-        "(CPU backend)")
+        "kernels, staging = device<->host copies for MPI, other = Python, loss, optimizer, "
+        f"evaluation); MPI path: {lp.message_path()}")
     log(f"{'rank':>5} {'layer':>5} {'replica':>7} {'steps':>9} {'vector':>9} {'halo wait':>10} "
-        f"{'allreduce':>10} {'other':>9} {'total':>9}")
+        f"{'allreduce':>10} {'staging':>9} {'other':>9} {'total':>9}")
     for r in rows:
         log(f"{r[0]:>5} {r[1]:>5} {r[2]:>7} {r[3]:9.3f} {r[4]:9.3f} {r[5]:10.3f} {r[6]:10.3f} "
-            f"{r[7]:9.3f} {r[8]:9.3f}")
+            f"{r[7]:9.3f} {r[8]:9.3f} {r[9]:9.3f}")
 
 
 def cmd_bench(args):

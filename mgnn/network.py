@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 
-from .backend import check_dtype, get_backend, vector_ops
+from .backend import check_dtype, get_backend, to_host, vector_ops
 from .comm import Layout, abort_on_error, agree_on_errors
 from .comm.halo import tag
 from .mgrit import MGRITOptions, MGRITSolver, hierarchy
@@ -256,7 +256,11 @@ class LayerParallel:
     data_ranks : int
         Data-parallel replicas D; each passes its own shard to :meth:`loss_and_grad` and the
         result is the loss and gradient of the global batch.
-    backend : {'numba', 'numpy'}
+    backend : {'numba', 'numpy', 'cuda', 'cuda-emulated'}
+        'cuda' keeps everything on the GPU as CuPy arrays: constructing the LayerParallel moves
+        ``model.params`` to the device (build the optimizer on ``model.params.flat`` after it);
+        inputs may be CuPy arrays, any array with ``__cuda_array_interface__`` or DLPack (used
+        without copies) or NumPy arrays (moved once). The MGRIT relaxation is interval-batched.
     warm_start : bool
         Start the forward solve from the previous call's states (same batch size), as TorchBraid
         and DLMG do.
@@ -291,6 +295,9 @@ class LayerParallel:
         self.overlap = bool(overlap)
         self.backend = backend
         self.bk = get_backend(backend)
+        self.xp = getattr(self.bk, "xp", np)
+        if self.xp is not np:
+            model.params = model.params.to(self.xp)
         N, P = model.n_layers, self.layout.layer_size
         align = fwd.cf if fwd is not None else 1
         self.partition = Partition(N, tuple(block_starts(N + 1, P, align)), tuple(range(P)))
@@ -328,40 +335,75 @@ class LayerParallel:
         return mask.flat.astype(bool)
 
     # ------------------------------------------------------------------------------ validation
+    def _as_array(self, a, what):
+        """``a`` as an array of this backend: NumPy for the CPU backends; for 'cuda' a CuPy array
+        (CuPy, ``__cuda_array_interface__`` and DLPack inputs without a copy, NumPy moved once)."""
+        xp = self.xp
+        if xp is np:
+            if not isinstance(a, np.ndarray):
+                raise TypeError(f"{what} must be a numpy array, got {type(a).__name__}")
+            return a
+        if isinstance(a, (xp.ndarray, np.ndarray)) or hasattr(a, "__cuda_array_interface__"):
+            return xp.asarray(a)
+        if hasattr(a, "__dlpack__"):
+            return xp.from_dlpack(a)
+        raise TypeError(f"{what} must be an array (CuPy, NumPy, __cuda_array_interface__ or "
+                        f"DLPack), got {type(a).__name__}")
+
+    def message_path(self):
+        """How boundary states and gradient sums reach MPI, in words (for ``--timings``)."""
+        if self.layout.size == 1:
+            return "single process: no messages"
+        if self.xp is np:
+            return f"host buffers ({self.backend} backend)"
+        from .comm import cuda_aware_mpi
+        aware, why = cuda_aware_mpi()
+        return ("device buffers straight to CUDA-aware MPI" if aware else
+                "device buffers staged through pinned host buffers") + f" ({why})"
+
+    def to_device(self, a):
+        """``a`` as an array of this backend (NumPy arrays unchanged on the CPU backends; moved
+        to the GPU once for 'cuda'): what a training loop does with its data before batching."""
+        return a if self.xp is np else self._as_array(a, "array")
+
     def _check_x(self, x):
-        m = self.model
-        if not isinstance(x, np.ndarray):
-            raise TypeError(f"x must be a numpy array, got {type(x).__name__}")
+        m, xp = self.model, self.xp
+        x = self._as_array(x, "x")
         if x.dtype != m.dtype:
             raise TypeError(f"x has dtype {x.dtype} but the model is {m.dtype}; "
                             "convert explicitly (mgnn never casts silently)")
         want = m.input_shape()
         if x.ndim != len(want) + 1 or x.shape[1:] != want or x.shape[0] < 1:
             raise ValueError(f"x has shape {x.shape}, expected (B,) + {want} with B >= 1")
-        if not np.isfinite(x).all():
-            raise ValueError(f"x contains {np.count_nonzero(~np.isfinite(x))} non-finite values")
-        return np.ascontiguousarray(x)
+        if not bool(xp.isfinite(x).all()):
+            raise ValueError(f"x contains {int(xp.count_nonzero(~xp.isfinite(x)))} non-finite "
+                             "values")
+        return xp.ascontiguousarray(x)
 
     def _check_y(self, y, batch):
-        if not isinstance(y, np.ndarray) or not np.issubdtype(y.dtype, np.integer):
-            raise TypeError(f"y must be an integer numpy array, got "
+        if self.xp is not np and hasattr(y, "shape"):
+            y = self._as_array(y, "y")
+        if not isinstance(y, (np.ndarray, self.xp.ndarray)) or \
+                not np.issubdtype(y.dtype, np.integer):
+            raise TypeError(f"y must be an integer array, got "
                             f"{getattr(y, 'dtype', type(y).__name__)}")
         if y.shape != (batch,):
             raise ValueError(f"y has shape {y.shape}, expected ({batch},) to match x")
         k = self.model.n_classes
         bad = (y < 0) | (y >= k)
-        if bad.any():
-            raise ValueError(f"labels out of range [0, {k}): {np.unique(y[bad])[:10].tolist()}")
-        return np.ascontiguousarray(y, dtype=np.int64)
+        if bool(bad.any()):
+            raise ValueError(f"labels out of range [0, {k}): "
+                             f"{np.unique(to_host(y[bad]))[:10].tolist()}")
+        return self.xp.ascontiguousarray(y, dtype=np.int64)
 
     # ------------------------------------------------------------------------------ computation
     def _serial_states(self, u0, store):
         """Layer after layer: U (N+1, B, ...) and, if ``store``, D = sigma'(z_n) (N, B, ...)."""
         m = self.model
         steps = m.group("steps")
-        U = np.empty((m.n_layers + 1,) + u0.shape, dtype=m.dtype)
+        U = self.xp.empty((m.n_layers + 1,) + u0.shape, dtype=m.dtype)
         U[0] = u0
-        D = np.empty((m.n_layers if store else 0,) + u0.shape, dtype=m.dtype)
+        D = self.xp.empty((m.n_layers if store else 0,) + u0.shape, dtype=m.dtype)
         m.step.sweep_forward(steps["weight"], steps["bias"], U, m.h, D, self.bk)
         return U, D
 
@@ -421,7 +463,7 @@ class LayerParallel:
             self._solvers[key] = MGRITSolver(prop, m.n_layers, opts, comm=lay.layer_comm,
                                              partition=part, norm_comm=lay.comm,
                                              abort_on_error=False, overlap=self.overlap,
-                                             ops=vector_ops(self.backend))
+                                             ops=vector_ops(self.backend), xp=self.xp)
         return self._solvers[key]
 
     def _distributed_forward(self, x, opts, guess=None):
@@ -430,7 +472,7 @@ class LayerParallel:
         if lay.first:
             u0, d_open = m.opening.forward(m.group("opening"), x, bk)
         else:
-            u0, d_open = np.zeros(m.step.state_shape(x.shape[0]), dtype=m.dtype), None
+            u0, d_open = self.xp.zeros(m.step.state_shape(x.shape[0]), dtype=m.dtype), None
         res = self._solver("forward", opts).solve(u0, guess)
         return res, d_open
 
@@ -451,7 +493,7 @@ class LayerParallel:
 
     def predict(self, x):
         """Predicted class indices (B,) int64 for inputs x (B, ...)."""
-        return np.argmax(self.logits(x), axis=1)
+        return self.xp.argmax(self.logits(x), axis=1)
 
     def loss_and_grad(self, x, y):
         """Mean softmax cross-entropy of the (global) batch and its gradient.
@@ -482,7 +524,7 @@ class LayerParallel:
         m, bk, lay = self.model, self.bk, self.layout
         N = m.n_layers
         timings = {"steps": 0.0, "vector": 0.0, "halo_wait": 0.0, "recv_wait": 0.0,
-                   "halo_total": 0.0, "allreduce": 0.0}
+                   "halo_total": 0.0, "allreduce": 0.0, "staging": 0.0}
 
         def add(res):
             for k in timings:
@@ -514,7 +556,7 @@ class LayerParallel:
         grads = m.params.zeros_like()
         buckets = _Buckets(lay.data_comm, grads)
         loss_part = 0.0
-        lam_N = np.zeros_like(U[self.layers.start] if len(self.layers) else U[N])
+        lam_N = self.xp.zeros_like(U[self.layers.start] if len(self.layers) else U[N])
         if lay.last:
             logits, c_close = m.closing.forward(m.group("closing"), U[N], bk)
             loss, g = m.loss.forward_grad(logits, y, bk)
@@ -558,6 +600,7 @@ class LayerParallel:
         timings["other"] = timings["total"] - timings["steps"] - timings["vector"] \
             - timings["halo_wait"] - timings["allreduce"]
         stats["timings"] = timings
+        stats["mpi_path"] = getattr(solver.halo, "path", "host")
         self.stats = stats
         return float(loss), grads
 
@@ -568,10 +611,11 @@ class LayerParallel:
         if lay.layer_size == 1:
             return lambda: None
         if getattr(self, "_halo", None) is None:
-            from .comm import make_halo
-            self._halo = make_halo(lay.layer_comm)
+            from .comm import make_device_halo, make_halo
+            self._halo = (make_halo(lay.layer_comm) if self.xp is np else
+                          make_device_halo(lay.layer_comm, xp=self.xp))
         halo = self._halo
-        halo.timers.update(halo_wait=0.0, recv_wait=0.0, halo_total=0.0)
+        halo.timers.update(halo_wait=0.0, recv_wait=0.0, halo_total=0.0, staging=0.0)
         lo, hi = self.partition.fine_range(lay.layer_rank)
         t = tag("adjoint_halo")
         template = lam[lo]
@@ -585,7 +629,7 @@ class LayerParallel:
             if pending[1] is not None:
                 halo.wait(pending[1])
             if pending != [None, None]:
-                for k in ("halo_wait", "halo_total", "recv_wait"):
+                for k in ("halo_wait", "halo_total", "recv_wait", "staging"):
                     timings[k] += halo.timers[k]
                 pending[:] = [None, None]
 
@@ -597,17 +641,18 @@ class LayerParallel:
         out = grads.copy()
         lay = self.layout
         if lay.layer_comm is not None and lay.layer_size > 1:
-            lay.layer_comm.Allreduce(_in_place(), out.flat)
+            _allreduce_staged(lay.layer_comm, out.flat)
         return out
 
     def gather_params(self, flat=None):
         """The model's parameters (or another flat buffer laid out like them, e.g. optimizer
         state) as held by their owners, on every rank: a new 1-D array."""
         src = self.model.params.flat if flat is None else flat
-        out = np.where(self.owned, src, 0).astype(src.dtype)
+        xp = self.xp
+        out = xp.where(self.owned, xp.asarray(src), 0).astype(src.dtype)
         lay = self.layout
         if lay.layer_comm is not None and lay.layer_size > 1:
-            lay.layer_comm.Allreduce(_in_place(), out)
+            _allreduce_staged(lay.layer_comm, out)
         return out
 
 
@@ -616,13 +661,33 @@ def _in_place():
     return MPI.IN_PLACE
 
 
+def _allreduce_staged(comm, buf):
+    """Sum ``buf`` over ``comm`` in place; device arrays go through a host copy (used for
+    checkpoints and epoch-end synchronisation only, never inside a training step)."""
+    if isinstance(buf, np.ndarray):
+        comm.Allreduce(_in_place(), buf)
+        return
+    import cupy
+    host = cupy.asnumpy(buf)
+    comm.Allreduce(_in_place(), host)
+    buf[...] = cupy.asarray(host)
+
+
 class _Buckets:
     """Gradient buckets summed over the data replicas with nonblocking Allreduce, each started as
-    soon as its gradients are final (closing before the adjoint solve, steps, then opening)."""
+    soon as its gradients are final (closing before the adjoint solve, steps, then opening).
+
+    Device (CuPy) gradients go to MPI directly when the MPI library is CUDA-aware (after a
+    stream synchronisation), otherwise through host copies that are written back on :meth:`wait`.
+    """
 
     def __init__(self, data_comm, grads):
         self.comm = data_comm if data_comm is not None and data_comm.Get_size() > 1 else None
-        self.grads, self.requests = grads, []
+        self.grads, self.requests, self.staged = grads, [], []
+        self.device = not isinstance(grads.flat, np.ndarray)
+        if self.device and self.comm is not None:
+            from .comm import cuda_aware_mpi
+            self.cuda_aware = cuda_aware_mpi()[0]
 
     def start(self, first, last, lo=None, hi=None):
         """Start summing parameters ``first``..``last`` (adjacent in the flat buffer), or rows
@@ -637,11 +702,24 @@ class _Buckets:
         else:
             slices = [g.flat_slice(first, lo, hi), g.flat_slice(last, lo, hi)]
         for sl in slices:
-            if sl.size:
-                self.requests.append(self.comm.Iallreduce(MPI.IN_PLACE, sl, op=MPI.SUM))
+            if not sl.size:
+                continue
+            buf = sl
+            if self.device:
+                import cupy
+                if self.cuda_aware:
+                    cupy.cuda.get_current_stream().synchronize()
+                else:
+                    buf = cupy.asnumpy(sl)  # synchronises the stream
+                    self.staged.append((sl, buf))
+            self.requests.append(self.comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM))
 
     def wait(self):
-        """Wait for every started bucket."""
+        """Wait for every started bucket (and copy staged sums back to the device)."""
         for r in self.requests:
             r.Wait()
-        self.requests = []
+        if self.staged:
+            import cupy
+            for dev, host in self.staged:
+                dev[...] = cupy.asarray(host)
+        self.requests, self.staged = [], []

@@ -14,14 +14,16 @@ class Optimizer:
     """Base class: updates ``params`` (1-D float array, in place) from a gradient of equal shape."""
 
     def __init__(self, params, lr):
-        if not isinstance(params, np.ndarray) or params.ndim != 1:
-            raise TypeError("params must be a 1-D numpy array (e.g. model.params.flat)")
+        if not hasattr(params, "dtype") or getattr(params, "ndim", None) != 1:
+            raise TypeError("params must be a 1-D numpy or cupy array (e.g. model.params.flat)")
+        #: fused Numba CUDA updates for device parameters (mgnn.backend.numba_cuda), else numpy
+        self.device = not isinstance(params, np.ndarray)
         self.params = params
         self.lr = _nonneg("lr", lr)
         self.t = 0
 
     def _check(self, grad):
-        if not isinstance(grad, np.ndarray) or grad.shape != self.params.shape:
+        if type(grad) is not type(self.params) or grad.shape != self.params.shape:
             raise ValueError(f"gradient of shape {getattr(grad, 'shape', None)} does not match "
                              f"the parameters {self.params.shape}")
         if grad.dtype != self.params.dtype:
@@ -37,7 +39,7 @@ class Optimizer:
         for k, v in self._buffers().items():
             if k not in state or state[k].shape != v.shape:
                 raise ValueError(f"optimizer state {k!r} missing or of the wrong shape")
-            v[...] = state[k]
+            v[...] = state[k] if isinstance(v, np.ndarray) else _device_array(state[k])
 
     def _buffers(self):
         return {}
@@ -50,7 +52,7 @@ class SGD(Optimizer):
         super().__init__(params, lr)
         self.momentum = _nonneg("momentum", momentum)
         self.weight_decay = _nonneg("weight_decay", weight_decay)
-        self.buf = np.zeros_like(params)
+        self.buf = _zeros_like(params)
 
     def _buffers(self):
         return {"momentum_buffer": self.buf}
@@ -58,6 +60,12 @@ class SGD(Optimizer):
     def step(self, grad):
         """One update from ``grad`` (same shape and dtype as the parameters)."""
         self._check(grad)
+        if self.device:  # one fused kernel, same arithmetic
+            from .backend.numba_cuda import sgd_update
+            sgd_update(self.params, grad, self.buf, self.lr, self.momentum, self.weight_decay,
+                       self.t == 0)
+            self.t += 1
+            return
         dt = self.params.dtype.type
         g = grad + dt(self.weight_decay) * self.params if self.weight_decay else grad
         if self.momentum:
@@ -81,8 +89,8 @@ class Adam(Optimizer):
             raise ValueError(f"betas must be in [0, 1), got {betas!r}")
         self.eps = _nonneg("eps", eps)
         self.weight_decay = _nonneg("weight_decay", weight_decay)
-        self.m = np.zeros_like(params)
-        self.v = np.zeros_like(params)
+        self.m = _zeros_like(params)
+        self.v = _zeros_like(params)
 
     def _buffers(self):
         return {"exp_avg": self.m, "exp_avg_sq": self.v}
@@ -90,6 +98,12 @@ class Adam(Optimizer):
     def step(self, grad):
         """One update from ``grad`` (same shape and dtype as the parameters)."""
         self._check(grad)
+        if self.device:  # one fused kernel, same arithmetic
+            from .backend.numba_cuda import adam_update
+            self.t += 1
+            adam_update(self.params, grad, self.m, self.v, self.lr, self.b1, self.b2, self.eps,
+                        self.weight_decay, self.t)
+            return
         dt = self.params.dtype.type
         g = grad + dt(self.weight_decay) * self.params if self.weight_decay else grad
         self.t += 1
@@ -101,6 +115,18 @@ class Adam(Optimizer):
         c2 = 1 - self.b2 ** self.t
         denom = np.sqrt(self.v) / dt(np.sqrt(c2)) + dt(self.eps)
         self.params -= dt(self.lr / c1) * self.m / denom
+
+
+def _device_array(a):
+    import cupy
+    return cupy.asarray(a)
+
+
+def _zeros_like(a):
+    """Zeros of ``a``'s shape, dtype and array module (numpy or cupy)."""
+    z = a.copy()
+    z.fill(0)
+    return z
 
 
 def make_optimizer(name, params, lr, momentum=0.9, weight_decay=0.0):

@@ -7,15 +7,17 @@ class ParamDict(dict):
 
     Optimizers and reductions (e.g. an Allreduce over replicas) work on :attr:`flat`; code that
     needs one tensor uses its name. Writing into a view writes into :attr:`flat` and vice versa.
+    :attr:`flat` is a NumPy array, or a CuPy array for the GPU backend (:meth:`to`).
     """
 
     flat: np.ndarray
 
     @classmethod
-    def allocate(cls, shapes, dtype):
-        """Zero-filled ParamDict for ``shapes`` (ordered dict name -> shape tuple) of ``dtype``."""
+    def allocate(cls, shapes, dtype, xp=np):
+        """Zero-filled ParamDict for ``shapes`` (ordered dict name -> shape tuple) of ``dtype``,
+        in the array module ``xp`` (numpy or cupy)."""
         sizes = [int(np.prod(s)) for s in shapes.values()]
-        flat = np.zeros(sum(sizes), dtype=dtype)
+        flat = xp.zeros(sum(sizes), dtype=dtype)
         out = cls()
         offset = 0
         out.offsets = {}
@@ -24,6 +26,22 @@ class ParamDict(dict):
             out.offsets[name] = offset
             offset += size
         out.flat = flat
+        return out
+
+    @property
+    def xp(self):
+        """The array module of :attr:`flat` (numpy, or cupy for device parameters)."""
+        if isinstance(self.flat, np.ndarray):
+            return np
+        import cupy
+        return cupy.get_array_module(self.flat)
+
+    def to(self, xp):
+        """The same parameters in array module ``xp`` (``self`` if already there; else a copy)."""
+        if xp is self.xp:
+            return self
+        out = ParamDict.allocate(self.shapes(), self.flat.dtype, xp)
+        out.flat[...] = xp.asarray(self.flat) if xp is not np else _host(self.flat)
         return out
 
     def flat_slice(self, name, first=0, stop=None):
@@ -41,10 +59,15 @@ class ParamDict(dict):
 
     def zeros_like(self):
         """A new zero ParamDict with the same names, shapes and dtype."""
-        return ParamDict.allocate(self.shapes(), self.flat.dtype)
+        return ParamDict.allocate(self.shapes(), self.flat.dtype, self.xp)
 
     def copy(self):
         """A deep copy (new flat buffer)."""
         out = self.zeros_like()
         out.flat[:] = self.flat
         return out
+
+
+def _host(a):
+    get = getattr(a, "get", None)
+    return get() if callable(get) else np.asarray(a)

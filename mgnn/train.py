@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 
+from .backend import to_host
 from .data import batches
 from .errors import CheckpointError
 
@@ -27,8 +28,8 @@ def save_checkpoint(path, model, optimizer, epoch, step, rng, meta=None, params=
     """
     params = model.params if params is None else params
     optim_state = optimizer.state_dict() if optim_state is None else optim_state
-    arrays = {f"params/{k}": v for k, v in params.items()}
-    arrays.update({f"optim/{k}": np.asarray(v) for k, v in optim_state.items()})
+    arrays = {f"params/{k}": to_host(v) for k, v in params.items()}
+    arrays.update({f"optim/{k}": to_host(v) for k, v in optim_state.items()})
     header = {"epoch": int(epoch), "step": int(step), "model_config": model.config,
               "optimizer": type(optimizer).__name__, "rng_state": rng.bit_generator.state,
               "meta": meta or {}}
@@ -74,7 +75,7 @@ def restore(ckpt, model, optimizer, rng):
     for k, v in model.params.items():
         if k not in ckpt["params"] or ckpt["params"][k].shape != v.shape:
             raise CheckpointError(f"checkpoint parameter {k!r} missing or of the wrong shape")
-        v[...] = ckpt["params"][k]
+        v[...] = model.params.xp.asarray(ckpt["params"][k])
     optimizer.load_state_dict(ckpt["optim"])
     rng.bit_generator.state = h["rng_state"]
     return h["epoch"], h["step"]
@@ -117,8 +118,10 @@ class Progress:
 def evaluate(lp, x, y, batch_size=1000):
     """Accuracy (fraction) of ``lp.predict`` on (x, y), in batches."""
     correct = 0
+    x, y = lp.to_device(x), lp.to_device(y)
+    xp = lp.xp
     for i in range(0, len(y), batch_size):
-        correct += int(np.count_nonzero(lp.predict(x[i:i + batch_size]) == y[i:i + batch_size]))
+        correct += int(xp.count_nonzero(lp.predict(x[i:i + batch_size]) == y[i:i + batch_size]))
     return correct / max(len(y), 1)
 
 
@@ -177,6 +180,8 @@ def fit(lp, optimizer, x_train, y_train, x_test, y_test, *, epochs, batch_size, 
         Per epoch: epoch, loss (mean over batches), test_accuracy, seconds, ms_per_batch.
     """
     history = []
+    x_train, y_train = lp.to_device(x_train), lp.to_device(y_train)  # moved once, not per batch
+    x_test, y_test = lp.to_device(x_test), lp.to_device(y_test)
     replicas = lp.layout.data_ranks
     if batch_size < replicas:
         raise ValueError(f"batch_size={batch_size} is smaller than the {replicas} data replicas")
@@ -191,6 +196,7 @@ def fit(lp, optimizer, x_train, y_train, x_test, y_test, *, epochs, batch_size, 
         for j, b in enumerate(idx):
             if replicas > 1:
                 b = np.array_split(b, replicas)[lp.replica]
+            b = lp.xp.asarray(b)
             loss, grads = lp.loss_and_grad(x_train[b], y_train[b])
             if timings is not None:
                 _add_timings(timings, lp.stats)

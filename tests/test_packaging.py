@@ -24,13 +24,20 @@ def test_wheel_ships_kernels(tmp_path):
     (wheel,) = (tmp_path / "dist").glob("mgnn-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "mgnn/kernels/README.md" in names and "mgnn/backend/numba_cpu.py" in names
+    sources = sorted(f for f in os.listdir(os.path.join(REPO, "kernels"))
+                     if f.endswith((".cu", ".cuh")))
+    assert sources and all(f"mgnn/kernels/{f}" in names for f in sources), (sources, names)
     r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
                         str(tmp_path / "site"), str(wheel)], capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    code = "import mgnn, mgnn.backend as b; print(mgnn.__file__); print(b.kernel_dir())"
+    # the installed wheel builds and runs the host emulation of its own kernels
+    code = ("import mgnn, mgnn.backend as b, numpy as np; k = b.get_backend('cuda-emulated'); "
+            "x = np.ones((3, 4)); y = k.dense_forward(x, np.eye(4), np.zeros(4), 1.0, 2, True); "
+            "assert np.allclose(y, 2 * x); print(mgnn.__file__); print(b.kernel_dir())")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                       cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(tmp_path / "site")))
+                       cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(tmp_path / "site"),
+                                           MGNN_CACHE_DIR=str(tmp_path / "cache")))
     assert r.returncode == 0, r.stderr[-2000:]
     mod, kdir = r.stdout.split()
     assert mod.startswith(str(tmp_path / "site"))

@@ -101,6 +101,15 @@ def get_backend(name):
     return _instances[name]
 
 
+def to_host(a):
+    """``a`` as a NumPy array (a copy from the device for CuPy arrays; ``a`` itself if NumPy)."""
+    import numpy as np
+    if isinstance(a, np.ndarray):
+        return a
+    get = getattr(a, "get", None)
+    return get() if callable(get) else np.asarray(a)
+
+
 def activation_code(name):
     """Kernel code of the activation ``name`` ('tanh', 'relu', 'identity')."""
     if name not in ACTIVATIONS:

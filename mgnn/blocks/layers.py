@@ -225,7 +225,7 @@ class PoolClosing(DenseClosing):
 
     def _features_vjp(self, u, g, bk):
         p = self.pool
-        g4 = np.ascontiguousarray(g).reshape(u.shape[0], self.channels, p, p)
+        g4 = g.reshape(u.shape[0], self.channels, p, p)  # g is C-contiguous (a vjp output)
         return bk.avgpool_vjp(g4, u.shape[2], u.shape[3])
 
 
