@@ -127,20 +127,54 @@ class TrainStep:
 
 
 class GPUKernels:
-    """GPU kernels (the cuda backend); skipped where no GPU is available."""
+    """GPU kernels of the cuda backend against CuPy baselines at the same shape (skipped where no
+    GPU is available): the fused dense step and cupy.matmul + a separate epilogue, the batched
+    step of 16 F-intervals, and a device-to-device copy."""
 
-    def setup(self):
-        try:
-            import cupy
-            available = cupy.cuda.is_available()
-        except Exception:  # noqa: BLE001 - any import/driver failure means no GPU here
-            available = False
-        if not available:
+    params = (["float32", "float64"],)
+    param_names = ["dtype"]
+
+    def setup(self, dtype):
+        from mgnn.backend import get_backend, gpu_available
+        if not gpu_available():
             raise NotImplementedError("no CUDA GPU")
-        raise NotImplementedError("the cuda backend is not implemented yet")
+        import cupy
+        self.cp, self.bk = cupy, get_backend("cuda")
+        dt = np.dtype(dtype)
+        rng = cupy.random.default_rng(0)
+        w = 1024
+        self.x = rng.standard_normal((w, w), dtype=dt)
+        self.W = rng.standard_normal((w, w), dtype=dt) / np.sqrt(w)
+        self.b = rng.standard_normal(w, dtype=dt)
+        self.h = dt.type(0.1)
+        self.xs = [rng.standard_normal((64, 64), dtype=dt) for _ in range(16)]
+        self.Ws = rng.standard_normal((16, 64, 64), dtype=dt) / 8
+        self.bs = rng.standard_normal((16, 64), dtype=dt)
+        self.big = rng.standard_normal(1 << 24, dtype=dt)
+        self.out = cupy.empty_like(self.big)
+        self.time_dense_step(dtype)
+        cupy.cuda.get_current_stream().synchronize()
 
-    def time_dense_step(self):
-        pass
+    def _sync(self):
+        self.cp.cuda.get_current_stream().synchronize()
+
+    def time_dense_step(self, dtype):
+        self.bk.dense_forward(self.x, self.W, self.b, self.h, 0, True)
+        self._sync()
+
+    def time_matmul_plus_epilogue(self, dtype):
+        z = self.cp.matmul(self.x, self.W.T)
+        _ = self.x + self.h * self.cp.tanh(z + self.b)
+        self._sync()
+
+    def time_batched_step_16_intervals(self, dtype):
+        self.bk.dense_forward_batched(self.xs, self.Ws, self.bs, list(range(16)), self.h, 0,
+                                      False)
+        self._sync()
+
+    def time_device_copy(self, dtype):
+        self.out[...] = self.big
+        self._sync()
 
 
 class OtherKernels:

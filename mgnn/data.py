@@ -151,7 +151,8 @@ def load_synthetic(n_train=512, n_test=128, image_size=(8, 8), n_classes=4, seed
 
 
 def load_dataset(name, data_dir=None, seed=0, limit_train=None, limit_test=None):
-    """'digits', 'mnist' or 'synthetic' (normalised)."""
+    """'digits', 'mnist' or 'synthetic' (normalised); ``limit_train`` / ``limit_test`` keep the
+    first samples of each split (any data set)."""
     if name == "digits":
         ds = load_digits(seed=0)
     elif name == "mnist":
@@ -160,6 +161,9 @@ def load_dataset(name, data_dir=None, seed=0, limit_train=None, limit_test=None)
         ds = load_synthetic(seed=seed)
     else:
         raise ValueError(f"unknown data set {name!r}; expected 'digits', 'mnist' or 'synthetic'")
+    if limit_train or limit_test:
+        ds = Dataset(ds.name, ds.x_train[:limit_train or None], ds.y_train[:limit_train or None],
+                     ds.x_test[:limit_test or None], ds.y_test[:limit_test or None], ds.n_classes)
     return ds.normalised()
 
 

@@ -354,3 +354,42 @@ def compile_with_nvcc(arch="sm_90", geometry=None, nvcc="nvcc"):
         if proc.returncode != 0:
             raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{proc.stdout}{proc.stderr}")
         return proc.stdout + proc.stderr
+
+
+def compile_with_nvrtc(arch="compute_90", geometry=None):
+    """Compile every kernel file with NVRTC, exactly as :class:`CupyLauncher` will on a GPU (no
+    host headers, ``-std=c++17``, the geometry defines, one name expression per instantiation);
+    needs only ``libnvrtc`` (the ``nvidia-cuda-nvrtc`` wheel), no GPU or driver.
+
+    Returns {file name: NVRTC log}. Raises ``RuntimeError`` with the log if a file fails or
+    NVRTC warns.
+    """
+    import ctypes
+    from cuda.pathfinder import load_nvidia_dynamic_lib
+    lib = ctypes.CDLL(load_nvidia_dynamic_lib("nvrtc").abs_path)
+    geometry = GPU_GEOMETRY if geometry is None else geometry
+    opts = [b"-std=c++17", f"-I{kernel_dir()}".encode(), f"--gpu-architecture={arch}".encode()]
+    opts += [f.encode() for f in geometry_flags(geometry)]
+    logs = {}
+    for fname, names in KERNEL_FILES.items():
+        with open(f"{kernel_dir()}/{fname}", "rb") as fh:
+            code = fh.read()
+        prog = ctypes.c_void_p()
+        if lib.nvrtcCreateProgram(ctypes.byref(prog), code, fname.encode(), 0, None, None):
+            raise RuntimeError(f"nvrtcCreateProgram failed for {fname}")
+        try:
+            for k in names:
+                for t in ("float", "double"):
+                    lib.nvrtcAddNameExpression(prog, f"{k}<{t}>".encode())
+            status = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+            size = ctypes.c_size_t()
+            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetProgramLog(prog, log)
+            text = log.value.decode(errors="replace")
+        finally:
+            lib.nvrtcDestroyProgram(ctypes.byref(prog))
+        if status != 0 or "warning" in text.lower():
+            raise RuntimeError(f"NVRTC rejected {fname} (status {status}):\n{text}")
+        logs[fname] = text
+    return logs

@@ -284,13 +284,16 @@ def _launch(kernel, n, like, *args):
         kernel[blocks, threads, _stream(like)](*args)
 
 
-def _reduce(kernel, n, like, *args):
-    """Launch a reduction ``kernel(*args, partial)`` and return the sum of its partials."""
+def _reduce(kernel, n, like, *args, lazy=False):
+    """Launch a reduction ``kernel(*args, partial)`` and return the sum of its partials: a float,
+    or with ``lazy`` on a GPU a 0-d float64 CuPy array (summed on the device, no sync)."""
     if not n:
         return 0.0
     blocks, threads = _grid(n)
     partial = _xp(like).empty(blocks, dtype=np.float64)
     kernel[blocks, threads, _stream(like)](*args, _dev(partial))
+    if lazy and _is_cupy(partial):
+        return partial.sum()
     host = partial.get() if _is_cupy(partial) else partial  # .get() syncs the current stream
     return float(host.sum())
 
@@ -327,7 +330,7 @@ class CudaOps(GenericOps):
     name = "cuda"
 
     def residual(self, phi, u, g):
-        """(r = phi - u [+ g], ||r||^2 as a float); g may be None.
+        """(r = phi - u [+ g], ||r||^2); g may be None.
 
         Parameters
         ----------
@@ -336,8 +339,10 @@ class CudaOps(GenericOps):
         Returns
         -------
         r : array like ``phi`` (new)
-        float
-            ||r||^2, accumulated in float64.
+        float, or a 0-d float64 CuPy array on a GPU
+            ||r||^2, accumulated in float64; on a GPU it stays on the device (no
+            synchronisation per C-point: the solver sums the shares and reads the total once per
+            cycle).
         """
         arrays = (phi, u) if g is None else (phi, u, g)
         if not _kernel_ok(*arrays):
@@ -345,7 +350,7 @@ class CudaOps(GenericOps):
         r = _xp(phi).empty_like(phi)
         gf = _dev(phi if g is None else g)
         total = _reduce(_residual_kernel, phi.size, phi, _dev(phi), _dev(u), gf, g is not None,
-                        _dev(r))
+                        _dev(r), lazy=True)
         return r, total
 
     def fas_rhs(self, r, v, phi_c):

@@ -21,6 +21,24 @@ def test_nvcc_compiles_every_kernel_without_warnings(arch):
     assert "warning" not in out.lower(), out
 
 
+def test_nvrtc_compiles_every_kernel_as_cupy_will():
+    """CuPy compiles RawModules with NVRTC (no host headers): the same sources, options and name
+    expressions go through libnvrtc here, without a GPU."""
+    from mgnn.backend.cupy_raw import compile_with_nvrtc
+    logs = compile_with_nvrtc("compute_90")
+    assert set(logs) == set(KERNEL_FILES)
+
+
+def test_nvrtc_check_fails_on_an_error(tmp_path, monkeypatch):
+    import mgnn.backend.cupy_raw as raw
+    (tmp_path / "bad.cu").write_text(
+        "#include <vector>\ntemplate <typename T> __global__ void bad(T *x) { x[0] = 1; }\n")
+    monkeypatch.setattr(raw, "KERNEL_FILES", {"bad.cu": ("bad",)})
+    monkeypatch.setattr(raw, "kernel_dir", lambda: str(tmp_path))
+    with pytest.raises(RuntimeError, match="bad.cu"):
+        raw.compile_with_nvrtc()
+
+
 def test_nvcc_check_fails_on_a_warning(tmp_path, monkeypatch):
     """The compile check can fail: a kernel with an unused variable is rejected."""
     if shutil.which("nvcc") is None:

@@ -151,3 +151,32 @@ def test_repeated_solves_mismatched_shards_and_unwritable_checkpoints(ranks):
 def test_pipeline_baseline_equals_serial(ranks, data_ranks):
     out = _json(mpirun(ranks, "-m", "tests.mpi.mpi_cases", "pipeline", str(data_ranks)))
     assert out["checked"] >= 4
+
+
+def _train_small(ranks, backend, *args):
+    return _train(ranks, "--backend", backend, "--layers", "8", "--width", "8",
+                  "--epochs", "1", "--batch-size", "32", "--limit-train", "160",
+                  "--limit-test", "64", *args)
+
+
+def test_cli_emulated_gpu_kernels_on_two_ranks_equal_numba():
+    """`train --backend cuda-emulated` under mpiexec -n 2: the GPU kernels (host emulation),
+    batched relaxation and device-path code of the training loop give the numba run's numbers."""
+    ref = _train_small(1, "numba")
+    emu = _train_small(2, "cuda-emulated")
+    assert emu["ranks"] == 2
+    assert abs(emu["final_loss"] - ref["final_loss"]) <= 1e-10 * ref["final_loss"]
+    assert emu["test_accuracy"] == ref["test_accuracy"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_cli_cuda_backend_equals_numba(ranks):
+    """`train --backend cuda` on one GPU, and under mpiexec -n 2 sharing it."""
+    from mgnn.backend import gpu_available
+    if not gpu_available():
+        pytest.skip("needs a CUDA GPU (cupy.cuda.is_available())")
+    ref = _train_small(1, "numba")
+    gpu = _train_small(ranks, "cuda")
+    assert gpu["ranks"] == ranks
+    assert abs(gpu["final_loss"] - ref["final_loss"]) <= 1e-8 * ref["final_loss"]
