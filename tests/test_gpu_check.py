@@ -1,0 +1,153 @@
+"""scripts/gpu_check.py, the one prepared GPU check, tested without a GPU: its ``--emulate`` mode
+runs the same benchmark functions on the cuda-emulated backend (tiny sizes), and the GPU-only
+sections are driven far enough to check their parsing and reporting."""
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from mgnn.backend import available_backends, gpu_available
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO, "scripts", "gpu_check.py")
+TABLE_HEADER = "| check | value | target | status |"
+
+#: Rows of the benchmark section that must carry a finite number.
+BENCH_ROWS = ("bench.dense.float32.fused_s", "bench.dense.float32.unfused_s",
+              "bench.dense.float32.ratio", "bench.dense.float64.ratio",
+              "bench.dense.float32.error", "bench.mem.copy_Bps", "bench.mem.axpy.ratio",
+              "bench.mem.sq_norm.ratio", "bench.mem.residual.ratio", "bench.mem.correct.ratio",
+              "bench.train.mgrit_s", "bench.train.serial_s", "bench.train.speedup",
+              "bench.train.launches")
+
+needs_emulation = pytest.mark.skipif("cuda-emulated" not in available_backends(),
+                                     reason="the cuda-emulated backend needs a C++ compiler")
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _run(*args, timeout=300):
+    env = dict(os.environ)
+    env.pop("NUMBA_ENABLE_CUDASIM", None)
+    return subprocess.run([sys.executable, SCRIPT, *args], cwd=REPO, env=env, timeout=timeout,
+                          capture_output=True, text=True)
+
+
+@pytest.mark.slow
+@needs_emulation
+def test_emulated_run_prints_the_table_and_writes_numeric_benchmarks(tmp_path):
+    out = tmp_path / "x.json"
+    proc = _run("--emulate", "--out", str(out))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert TABLE_HEADER in proc.stdout
+    assert proc.stdout.rstrip().splitlines()[-1].startswith(tuple("0123456789"))  # summary line
+    report = json.loads(out.read_text())
+    assert report["mode"] == "emulated" and report["finished"] == "completed"
+    rows = {r["id"]: r for r in report["rows"]}
+    assert not [r for r in report["rows"] if r["status"] == "FAIL"], report["rows"]
+    for rid in BENCH_ROWS:
+        assert rid in rows, (rid, sorted(rows))
+        v = rows[rid]["value"]
+        assert isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v), \
+            rows[rid]
+        assert rows[rid]["section"] == "bench"
+        assert rows[rid]["display"] in proc.stdout  # every row is in the printed table
+    assert rows["bench.train.launches"]["value"] > 0
+    for rid in ("tests.gpu", "cli.single", "cli.mpi2", "env.gpu"):
+        assert rows[rid]["status"] == "SKIP"
+    assert rows["env.versions"]["status"] == "INFO"
+
+
+@pytest.mark.skipif(gpu_available(), reason="a GPU is present")
+def test_without_a_gpu_and_without_emulate_exit_code_is_2(tmp_path):
+    proc = _run("--out", str(tmp_path / "y.json"), timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "no CUDA GPU" in proc.stderr and "--emulate" in proc.stderr
+
+
+@pytest.mark.slow
+@needs_emulation
+def test_watchdog_ends_a_run_with_the_table(tmp_path):
+    out = tmp_path / "w.json"
+    proc = _run("--emulate", "--budget", "-40", "--out", str(out), timeout=120)  # fires at 5 s
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert TABLE_HEADER in proc.stdout and "WATCHDOG" in proc.stdout
+    report = json.loads(out.read_text())
+    assert report["finished"].startswith("watchdog")
+    assert any(r["id"] == "watchdog" and r["status"] == "FAIL" for r in report["rows"])
+
+
+def test_parsers():
+    gc = _load()
+    p = gc.parse_pytest_summary
+    assert p(["....", "3 passed, 1 skipped, 370 deselected in 2.01s"]) == dict(
+        passed=3, failed=0, skipped=1, deselected=370, errors=0, xfailed=0, xpassed=0)
+    got = p(["FAILED tests/a.py::t - x", "===== 1 failed, 2 passed, 1 error in 3.2s ====="])
+    assert (got["failed"], got["passed"], got["errors"]) == (1, 2, 1)
+    assert p(["no tests ran in 0.1s"])["passed"] == 0
+    assert p(["collecting ...", "Traceback"]) is None
+    help_text = "  --dtype {float32,float64}\n  --backend {numpy,numba,cuda}\n"
+    assert gc.backend_choices_from_help(help_text) == ["numpy", "numba", "cuda"]
+    assert gc.backend_choices_from_help("no such flag") == []
+    summary, final = gc.parse_train_output(
+        ["mgnn train: ...", "final test accuracy 91.41%  (1.0 s training, 2.00 ms/batch)",
+         json.dumps({"test_accuracy": 0.9141, "ranks": 1})])
+    assert summary["test_accuracy"] == 0.9141 and final.startswith("final test accuracy 91.41%")
+    assert gc.fmt_seconds(2e-5) == "20.0 us" and gc.fmt_rate(3.5e12) == "3.50 TB/s"
+
+
+def test_a_failing_check_is_a_fail_row_and_the_rest_runs(tmp_path, capsys):
+    gc = _load()
+    out = tmp_path / "r.json"
+    rep = gc.Report(str(out), {"mode": "test"})
+
+    def boom():
+        raise RuntimeError("kernel | exploded")
+
+    assert gc.guarded(rep, "a", "bench", "first", boom) is None
+    gc.guarded(rep, "b", "bench", "second", rep.add, "b", "bench", "second", value=1.5,
+               unit="x", target=">= 1", status="PASS")
+    args = gc.parse_args(["--out", str(out)])
+    assert gc.finish(rep, args) == 1
+    text = capsys.readouterr().out
+    assert "| 3 bench: first | RuntimeError: kernel \\| exploded | - | FAIL |" in text
+    assert "| 3 bench: second | 1.5x | >= 1 | PASS |" in text
+    report = json.loads(out.read_text())
+    assert [r["status"] for r in report["rows"]] == ["FAIL", "PASS"]
+    assert report["counts"]["FAIL"] == 1
+    rep.rows.pop(0)
+    rep.add("c", "bench", "slow", value=0.5, target=">= 0.8", status="MISS")
+    assert gc.finish(rep, args) == 0
+    assert gc.finish(rep, gc.parse_args(["--out", str(out), "--strict"])) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(gpu_available(), reason="a GPU is present (the sections would really run)")
+def test_gpu_sections_report_failures_without_a_gpu(capsys):
+    """The pytest and CLI sections run their subprocesses and parse them: without a GPU the GPU
+    tests all skip (0 passed) and the CLI cannot train on 'cuda', so every row is a FAIL with a
+    message, and nothing raises."""
+    gc = _load()
+    rep = gc.Report(None, {"mode": "test"})
+    st = gc.Setup(emulated=False, backend="cuda", xp=np, sync=lambda: None, repeats=1, warmup=0,
+                  min_time=0.0, dense=(8, 8), mem_elems=64, numba_threads=None,
+                  train=dict(n_layers=16, width=8, batch=8, cf=4), budget=600)
+    args = gc.parse_args(["--tests-timeout", "200", "--cli-timeout", "120"])
+    gc.section_tests(rep, st, args)
+    gc.section_cli(rep, st, args)
+    rows = {r["id"]: r for r in rep.rows}
+    t = rows["tests.gpu"]
+    assert t["status"] == "FAIL" and "0 passed" in t["display"], t
+    assert json.loads(t["detail"])["skipped"] > 0
+    for rid in ("cli.single", "cli.mpi2"):
+        assert rows[rid]["status"] == "FAIL" and rows[rid]["display"], rows[rid]
