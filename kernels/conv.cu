@@ -48,14 +48,14 @@ __global__ void conv_forward(const T *u, const T *K, const T *b, T *y, T *deriv,
 }
 
 // Interval-batched residual forward: problem p = blockIdx.y steps us[p] with layer layers[p] of
-// K (L, C, C, 3, 3) and b (L, C); derivs may be null.
+// K (L, C, C, 3, 3) and b (L, C); ys or derivs may be null (not both).
 template <typename T>
 __global__ void conv_forward_batched(const T *const *us, const T *K, const T *b, T *const *ys,
                                      T *const *derivs, const int *layers, int B, int C, int H,
                                      int W, T h, int act) {
     const int p = blockIdx.y, l = layers[p];
-    conv_forward_body(us[p], K + (long long)l * C * C * 9, b + (long long)l * C, ys[p],
-                      derivs ? derivs[p] : (T *)nullptr, B, C, C, H, W, h, act, 1,
+    conv_forward_body(us[p], K + (long long)l * C * C * 9, b + (long long)l * C,
+                      ys ? ys[p] : (T *)nullptr, derivs ? derivs[p] : (T *)nullptr, B, C, C, H, W, h, act, 1,
                       blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x);
 }
 
@@ -109,9 +109,9 @@ __global__ void conv_vjp_input_batched(const T *const *gys, const T *const *deri
 // gK[o, c, dy, dx] = h sum_{n, y, x} (deriv * gy)[n, o, y, x] u[n, c, y+dy-1, x+dx-1]: one block
 // of MGNN_REDUCE threads per entry of gK (blockIdx.x = ((o Ci + c) 3 + dy) 3 + dx).
 template <typename T>
-__global__ void conv_kernel_grad(const T *gy, const T *deriv, const T *u, T *gK, int B, int Ci,
-                                 int Co, int H, int W, T h) {
-    __shared__ T scratch[MGNN_REDUCE];
+__device__ __forceinline__ void conv_kernel_grad_body(const T *gy, const T *deriv, const T *u,
+                                                      T *gK, int B, int Ci, int Co, int H, int W,
+                                                      T h, T *scratch) {
     const int entry = blockIdx.x, dx = entry % 3, dy = (entry / 3) % 3, c = (entry / 9) % Ci,
               o = entry / (9 * Ci);
     const int count = B * H * W;
@@ -125,4 +125,23 @@ __global__ void conv_kernel_grad(const T *gy, const T *deriv, const T *u, T *gK,
     }
     const T total = block_sum(s, scratch);
     if (threadIdx.x == 0) gK[entry] = h * total;
+}
+
+template <typename T>
+__global__ void conv_kernel_grad(const T *gy, const T *deriv, const T *u, T *gK, int B, int Ci,
+                                 int Co, int H, int W, T h) {
+    __shared__ T scratch[MGNN_REDUCE];
+    conv_kernel_grad_body(gy, deriv, u, gK, B, Ci, Co, H, W, h, scratch);
+}
+
+// Batched kernel gradients: gK[l] (C, C, 3, 3) of problem p = blockIdx.y, l = layers[p], into the
+// stacked gK (L, C, C, 3, 3); grid (9 C^2, count).
+template <typename T>
+__global__ void conv_kernel_grad_batched(const T *const *gys, const T *const *derivs,
+                                         const T *const *us, T *gK, const int *layers, int B,
+                                         int C, int H, int W, T h) {
+    __shared__ T scratch[MGNN_REDUCE];
+    const int p = blockIdx.y;
+    conv_kernel_grad_body(gys[p], derivs[p], us[p], gK + (long long)layers[p] * C * C * 9, B, C,
+                          C, H, W, h, scratch);
 }

@@ -96,14 +96,16 @@ __global__ void dense_forward(const T *x, const T *W, const T *b, T *y, T *deriv
 
 // Interval-batched residual forward: problem p = blockIdx.z steps state xs[p] with layer
 // layers[p] of W (L, w, w) and b (L, w): ys[p] = xs[p] + h sigma(xs[p] W_l^T + b_l), and
-// derivs[p] = sigma' when derivs is not null (then every derivs[p] must be set).
+// derivs[p] = sigma'. Either pointer array may be null (not both): then nothing of that kind is
+// written (ys null: the sigma' of many layers at once).
 template <typename T>
 __global__ void dense_forward_batched(const T *const *xs, const T *W, const T *b, T *const *ys,
                                       T *const *derivs, const int *layers, int B, int w, T h,
                                       int act) {
     const int p = blockIdx.z, l = layers[p];
-    dense_forward_body(xs[p], W + (long long)l * w * w, b + (long long)l * w, ys[p],
-                       derivs ? derivs[p] : (T *)nullptr, B, w, w, h, act, 1);
+    dense_forward_body(xs[p], W + (long long)l * w * w, b + (long long)l * w,
+                       ys ? ys[p] : (T *)nullptr, derivs ? derivs[p] : (T *)nullptr, B, w, w, h,
+                       act, 1);
 }
 
 // ---------------------------------------------------------------------------------- state vjp
@@ -182,12 +184,21 @@ __global__ void dense_weight_grad(const T *gy, const T *deriv, const T *x, T *gW
                                ScaledStore<T>{gW, I, h});
 }
 
-// gb[c] = h sum over n < outer, i < inner of (deriv * gy)[n, c, i], for gy and deriv of shape
-// (outer, C, inner): dense (B, O) has inner 1, conv (B, C, H, W) has inner H W. One block of
-// MGNN_REDUCE threads per channel c = blockIdx.x.
+// Batched weight gradients: gW[l] (w, w) = h (derivs[p] * gys[p])^T xs[p], l = layers[p],
+// p = blockIdx.z, into the stacked gW (L, w, w); every layer at most once per launch.
 template <typename T>
-__global__ void bias_grad(const T *gy, const T *deriv, T *gb, int outer, int C, int inner, T h) {
-    __shared__ T scratch[MGNN_REDUCE];
+__global__ void dense_weight_grad_batched(const T *const *gys, const T *const *derivs,
+                                          const T *const *xs, T *gW, const int *layers, int B,
+                                          int w, T h) {
+    const int p = blockIdx.z;
+    gemm_tile<T, false, false>(w, w, B, ScaledCotangentT<T>{gys[p], derivs[p], w},
+                               WeightRows<T>{xs[p], w},
+                               ScaledStore<T>{gW + (long long)layers[p] * w * w, w, h});
+}
+
+template <typename T>
+__device__ __forceinline__ void bias_grad_body(const T *gy, const T *deriv, T *gb, int outer,
+                                               int C, int inner, T h, T *scratch) {
     const int c = blockIdx.x, count = outer * inner;
     T s = T(0);
     for (int e = threadIdx.x; e < count; e += MGNN_REDUCE) {
@@ -197,4 +208,23 @@ __global__ void bias_grad(const T *gy, const T *deriv, T *gb, int outer, int C, 
     }
     const T total = block_sum(s, scratch);
     if (threadIdx.x == 0) gb[c] = h * total;
+}
+
+// gb[c] = h sum over n < outer, i < inner of (deriv * gy)[n, c, i], for gy and deriv of shape
+// (outer, C, inner): dense (B, O) has inner 1, conv (B, C, H, W) has inner H W. One block of
+// MGNN_REDUCE threads per channel c = blockIdx.x.
+template <typename T>
+__global__ void bias_grad(const T *gy, const T *deriv, T *gb, int outer, int C, int inner, T h) {
+    __shared__ T scratch[MGNN_REDUCE];
+    bias_grad_body(gy, deriv, gb, outer, C, inner, h, scratch);
+}
+
+// Batched bias gradients: gb[l] (C,) of problem p = blockIdx.y, l = layers[p], into the stacked
+// gb (L, C); one block of MGNN_REDUCE threads per (channel, problem).
+template <typename T>
+__global__ void bias_grad_batched(const T *const *gys, const T *const *derivs, T *gb,
+                                  const int *layers, int outer, int C, int inner, T h) {
+    __shared__ T scratch[MGNN_REDUCE];
+    const int p = blockIdx.y;
+    bias_grad_body(gys[p], derivs[p], gb + (long long)layers[p] * C, outer, C, inner, h, scratch);
 }

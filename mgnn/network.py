@@ -549,9 +549,15 @@ class LayerParallel:
                 self._previous_states = (res.states, batch)
         U = res.states
         D = [None] * N
+        batched = getattr(bk, "batched_relaxation", False)
         t0 = time.perf_counter()
-        for n in self.layers:
-            D[n] = m.step.deriv(W[n], b[n], U[n], bk)
+        if batched:  # one launch for the sigma' of every owned layer
+            for n, d in zip(self.layers, m.step.deriv_batched(W, b, [U[n] for n in self.layers],
+                                                              list(self.layers), bk)):
+                D[n] = d
+        else:
+            for n in self.layers:
+                D[n] = m.step.deriv(W[n], b[n], U[n], bk)
         timings["steps"] += time.perf_counter() - t0
         grads = m.params.zeros_like()
         buckets = _Buckets(lay.data_comm, grads)
@@ -578,12 +584,24 @@ class LayerParallel:
         finish = self._exchange_adjoint_halo(lam, timings)
         gW, gb = grads["steps.weight"], grads["steps.bias"]
         t0 = time.perf_counter()
-        for n in self.layers:
-            if lam[n + 1] is None:
-                t1 = time.perf_counter()
-                finish()
-                t0 += time.perf_counter() - t1  # the wait is halo time, not step time
-            gW[n], gb[n] = m.step.vjp_params(U[n], m.h, lam[n + 1], D[n], bk)
+        if batched:  # one launch for every layer whose adjoint is here, then the halo's layer
+            ready = [n for n in self.layers if lam[n + 1] is not None]
+            m.step.vjp_params_batched([U[n] for n in ready], m.h, [lam[n + 1] for n in ready],
+                                      [D[n] for n in ready], ready, gW, gb, bk)
+            t1 = time.perf_counter()
+            finish()
+            t0 += time.perf_counter() - t1
+            done = set(ready)
+            rest = [n for n in self.layers if n not in done]
+            m.step.vjp_params_batched([U[n] for n in rest], m.h, [lam[n + 1] for n in rest],
+                                      [D[n] for n in rest], rest, gW, gb, bk)
+        else:
+            for n in self.layers:
+                if lam[n + 1] is None:
+                    t1 = time.perf_counter()
+                    finish()
+                    t0 += time.perf_counter() - t1  # the wait is halo time, not step time
+                gW[n], gb[n] = m.step.vjp_params(U[n], m.h, lam[n + 1], D[n], bk)
         timings["steps"] += time.perf_counter() - t0
         finish()
         buckets.start("steps.weight", "steps.bias", self.layers.start, self.layers.stop)

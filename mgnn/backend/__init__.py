@@ -22,8 +22,9 @@ KERNELS = (
     "dense_sweep_forward", "dense_sweep_backward",
     "conv_forward", "conv_forward_deriv", "conv_deriv", "conv_vjp_input", "conv_vjp", "conv_vjp_params",
     "avgpool_forward", "avgpool_vjp", "softmax_xent",
-    "dense_forward_batched", "dense_vjp_input_batched", "conv_forward_batched",
-    "conv_vjp_input_batched",
+    "dense_forward_batched", "dense_vjp_input_batched", "dense_deriv_batched",
+    "dense_vjp_params_batched", "conv_forward_batched", "conv_vjp_input_batched",
+    "conv_deriv_batched", "conv_vjp_params_batched",
 )
 
 _MODULES = {"numpy": "numpy_ref", "numba": "numba_cpu"}
@@ -47,16 +48,21 @@ def gpu_available():
 
 def vector_ops(name="numpy"):
     """The MGRIT vector operations of backend ``name`` ('numpy': the generic reference that works
-    for any array type; 'numba': fused one-pass kernels)."""
+    for any array type; 'numba': fused one-pass kernels; 'cuda' / 'cuda-emulated': one batched
+    RawKernel launch for all points of a level, single points through Numba CUDA / generic)."""
     from .fas_ops import GenericOps, NumbaOps
     if name == "numba":
         return NumbaOps()
-    if name in ("numpy", "cuda-emulated"):
+    if name == "numpy":
         return GenericOps()
+    if name == "cuda-emulated":
+        from .fas_ops import BatchedOps
+        return BatchedOps(get_backend(name), GenericOps())
     if name == "cuda":
-        get_backend("cuda")  # raises BackendUnavailableError without a GPU
+        raw = get_backend("cuda")  # raises BackendUnavailableError without a GPU
+        from .fas_ops import BatchedOps
         from .numba_cuda import CudaOps
-        return CudaOps()
+        return BatchedOps(raw, CudaOps())
     raise ValueError(f"unknown backend {name!r}; expected one of {sorted(_ALL)}")
 
 

@@ -15,10 +15,12 @@ from . import kernel_dir
 #: CUDA C files and the kernel templates each defines (each instantiated for float and double).
 KERNEL_FILES = {
     "dense.cu": ("dense_forward", "dense_forward_batched", "dense_vjp_input",
-                 "dense_vjp_input_batched", "dense_weight_grad", "bias_grad"),
+                 "dense_vjp_input_batched", "dense_weight_grad", "dense_weight_grad_batched",
+                 "bias_grad", "bias_grad_batched"),
     "conv.cu": ("conv_forward", "conv_forward_batched", "conv_vjp_input",
-                "conv_vjp_input_batched", "conv_kernel_grad"),
+                "conv_vjp_input_batched", "conv_kernel_grad", "conv_kernel_grad_batched"),
     "head.cu": ("avgpool_forward", "avgpool_vjp", "softmax_xent"),
+    "vector.cu": ("residual_batched", "combine_batched"),
 }
 
 #: Launch geometry on a GPU (see kernels/common.cuh): 64 x 64 GEMM tiles of 16-deep stages,
@@ -86,6 +88,16 @@ class CupyLauncher:
         self.xp.cuda.get_current_stream().synchronize()
 
 
+#: Most problems one batched launch takes (the grid's y / z extent).
+MAX_BATCH = 65535
+
+
+def _check_count(count):
+    if count > MAX_BATCH:
+        raise ValueError(f"{count} states in one batched launch exceed CUDA's grid limit of "
+                         f"{MAX_BATCH}; use more ranks or fewer layers per rank")
+
+
 def _cdiv(a, b):
     return -(-a // b)
 
@@ -127,10 +139,20 @@ class RawBackend:
         blocks = max(1, min(_cdiv(total, g["ELEM"]), g["MAX_GRID"]))
         self._launch(name, dtype, (blocks, count, 1), (g["ELEM"], 1, 1), *args)
 
+    def _outputs(self, count, shape, dtype):
+        """``count`` new arrays of ``shape`` -- views into one allocation -- and the device array
+        of their addresses (computed, not gathered: no per-array work on the host)."""
+        _check_count(count)
+        stack = self._empty((count,) + tuple(shape), dtype)
+        step = np.uint64(int(np.prod(shape)) * np.dtype(dtype).itemsize)
+        ptrs = np.uint64(self.launcher.ptr(stack)) + step * np.arange(count, dtype=np.uint64)
+        return list(stack), self.launcher.to_device(ptrs)
+
     def _pointers(self, arrays):
         """Device array of the addresses of ``arrays`` (uint64), or None if ``arrays`` is None."""
         if arrays is None:
             return None
+        _check_count(len(arrays))
         host = np.array([self.launcher.ptr(a) for a in arrays], dtype=np.uint64)
         return self.launcher.to_device(host)
 
@@ -209,22 +231,45 @@ class RawBackend:
         l = layers[p]; returns (ys, derivs or None), lists of new (B, w) arrays."""
         B, w = xs[0].shape
         dt = xs[0].dtype
-        ys = [self._empty((B, w), dt) for _ in xs]
-        ds = [self._empty((B, w), dt) for _ in xs] if store_deriv else None
-        self._gemm("dense_forward_batched", B, w, len(xs), dt, self._pointers(xs), W, b,
-                   self._pointers(ys), self._pointers(ds), self._layers(layers), B, w,
-                   self._h(h, dt), act)
+        ys, ptr_y = self._outputs(len(xs), (B, w), dt)
+        ds, ptr_d = self._outputs(len(xs), (B, w), dt) if store_deriv else (None, None)
+        self._gemm("dense_forward_batched", B, w, len(xs), dt, self._pointers(xs), W, b, ptr_y,
+                   ptr_d, self._layers(layers), B, w, self._h(h, dt), act)
         return ys, ds
 
     def dense_vjp_input_batched(self, gys, derivs, W, layers, h):
         """One launch for len(gys) state vjps: gys[p] + h (derivs[p] gys[p]) W_l."""
         B, w = gys[0].shape
         dt = gys[0].dtype
-        gxs = [self._empty((B, w), dt) for _ in gys]
+        gxs, ptr_gx = self._outputs(len(gys), (B, w), dt)
         self._gemm("dense_vjp_input_batched", B, w, len(gys), dt, self._pointers(gys),
-                   self._pointers(derivs), W, self._pointers(gxs), self._layers(layers), B, w,
-                   self._h(h, dt))
+                   self._pointers(derivs), W, ptr_gx, self._layers(layers), B, w, self._h(h, dt))
         return gxs
+
+    def dense_deriv_batched(self, xs, W, b, layers, act):
+        """[sigma'(xs[p] W_l^T + b_l)] for l = layers[p], one launch (new (B, w) arrays)."""
+        if not xs:
+            return []
+        B, w = xs[0].shape
+        dt = xs[0].dtype
+        ds, ptr_d = self._outputs(len(xs), (B, w), dt)
+        self._gemm("dense_forward_batched", B, w, len(xs), dt, self._pointers(xs), W, b, None,
+                   ptr_d, self._layers(layers), B, w, self._h(1.0, dt), act)
+        return ds
+
+    def dense_vjp_params_batched(self, gys, derivs, xs, layers, h, gW, gb):
+        """In place, two launches: gW[l] = h s_p^T xs[p], gb[l] = h sum_B s_p with
+        s_p = derivs[p] * gys[p], l = layers[p] (distinct), into the stacked gW (L, w, w), gb (L, w)."""
+        if not xs:
+            return
+        B, w = xs[0].shape
+        dt = xs[0].dtype
+        hh, ptr_g, ptr_d = self._h(h, dt), self._pointers(gys), self._pointers(derivs)
+        lay = self._layers(layers)
+        self._gemm("dense_weight_grad_batched", w, w, len(xs), dt, ptr_g, ptr_d,
+                   self._pointers(xs), gW, lay, B, w, hh)
+        self._launch("bias_grad_batched", dt, (w, len(xs), 1), (self.geometry["REDUCE"], 1, 1),
+                     ptr_g, ptr_d, gb, lay, B, w, 1, hh)
 
     # ----------------------------------------------------------------------------------- conv
     def _conv(self, x, K, b, h, act, residual, want_y, want_d):
@@ -279,22 +324,78 @@ class RawBackend:
         """One launch for len(xs) residual conv steps with layers ``layers``; (ys, derivs|None)."""
         B, C, H, Wd = xs[0].shape
         dt = xs[0].dtype
-        ys = [self._empty(xs[0].shape, dt) for _ in xs]
-        ds = [self._empty(xs[0].shape, dt) for _ in xs] if store_deriv else None
+        ys, ptr_y = self._outputs(len(xs), xs[0].shape, dt)
+        ds, ptr_d = self._outputs(len(xs), xs[0].shape, dt) if store_deriv else (None, None)
         self._elementwise("conv_forward_batched", B * C * H * Wd, dt, self._pointers(xs), K, b,
-                          self._pointers(ys), self._pointers(ds), self._layers(layers), B, C, H,
-                          Wd, self._h(h, dt), act, count=len(xs))
+                          ptr_y, ptr_d, self._layers(layers), B, C, H, Wd, self._h(h, dt), act,
+                          count=len(xs))
         return ys, ds
 
     def conv_vjp_input_batched(self, gys, derivs, K, layers, h):
         """One launch for len(gys) residual conv state vjps."""
         B, C, H, Wd = gys[0].shape
         dt = gys[0].dtype
-        gxs = [self._empty(gys[0].shape, dt) for _ in gys]
+        gxs, ptr_gx = self._outputs(len(gys), gys[0].shape, dt)
         self._elementwise("conv_vjp_input_batched", B * C * H * Wd, dt, self._pointers(gys),
-                          self._pointers(derivs), K, self._pointers(gxs), self._layers(layers),
-                          B, C, H, Wd, self._h(h, dt), count=len(gys))
+                          self._pointers(derivs), K, ptr_gx, self._layers(layers), B, C, H, Wd,
+                          self._h(h, dt), count=len(gys))
         return gxs
+
+    def conv_deriv_batched(self, xs, K, b, layers, act):
+        """[sigma'(conv3x3(xs[p], K_l) + b_l)] for l = layers[p], one launch."""
+        if not xs:
+            return []
+        B, C, H, Wd = xs[0].shape
+        dt = xs[0].dtype
+        ds, ptr_d = self._outputs(len(xs), xs[0].shape, dt)
+        self._elementwise("conv_forward_batched", B * C * H * Wd, dt, self._pointers(xs), K, b,
+                          None, ptr_d, self._layers(layers), B, C, H, Wd, self._h(1.0, dt), act,
+                          count=len(xs))
+        return ds
+
+    def conv_vjp_params_batched(self, gys, derivs, xs, layers, h, gK, gb):
+        """In place, two launches: gK[l], gb[l] of every (state, layer) pair (layers distinct)."""
+        if not xs:
+            return
+        B, C, H, Wd = xs[0].shape
+        dt = xs[0].dtype
+        hh, ptr_g, ptr_d = self._h(h, dt), self._pointers(gys), self._pointers(derivs)
+        lay, red = self._layers(layers), (self.geometry["REDUCE"], 1, 1)
+        self._launch("conv_kernel_grad_batched", dt, (C * C * 9, len(xs), 1), red, ptr_g, ptr_d,
+                     self._pointers(xs), gK, lay, B, C, H, Wd, hh)
+        self._launch("bias_grad_batched", dt, (C, len(xs), 1), red, ptr_g, ptr_d, gb, lay, B, C,
+                     H * Wd, hh)
+
+    # ------------------------------------------------------------------------- FAS vectors
+    def residual_batched(self, phis, us, gs):
+        """([r_p = phis[p] - us[p] (+ gs[p])], sum_p ||r_p||^2) in one launch; the norm is a 0-d
+        float64 array of ``xp`` (on a GPU it stays on the device)."""
+        if not phis:
+            return [], 0.0
+        n, dt = phis[0].size, phis[0].dtype
+        g = self.geometry
+        blocks = max(1, min(_cdiv(n, g["REDUCE"]), g["MAX_GRID"]))
+        rs, ptr_r = self._outputs(len(phis), phis[0].shape, dt)
+        partial = self.xp.empty(len(phis) * blocks, dtype=np.float64)
+        self._launch("residual_batched", dt, (blocks, len(phis), 1), (g["REDUCE"], 1, 1),
+                     self._pointers(phis), self._pointers(us),
+                     None if gs is None else self._pointers(gs), ptr_r, partial, n)
+        return rs, partial.sum()
+
+    def combine_batched(self, mode, outs, xs, ys, zs=None):
+        """outs[p] = (x + y) - z (mode 0), x + (y - z) (mode 1) or x + y (mode 2), one launch;
+        ``outs`` None: new arrays. Returns the outputs."""
+        if not xs:
+            return []
+        n, dt = xs[0].size, xs[0].dtype
+        if outs is None:
+            outs, ptr_out = self._outputs(len(xs), xs[0].shape, dt)
+        else:
+            ptr_out = self._pointers(outs)
+        self._elementwise("combine_batched", n, dt, ptr_out, self._pointers(xs),
+                          self._pointers(ys), None if zs is None else self._pointers(zs), n, mode,
+                          count=len(xs))
+        return outs
 
     # ------------------------------------------------------------------------- pooling, loss
     def avgpool_forward(self, u, p):

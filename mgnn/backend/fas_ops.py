@@ -35,6 +35,33 @@ class GenericOps:
         """a + b (a new array)."""
         return a + b
 
+    # batched forms: every point of a level at once (here: point by point, same arithmetic)
+    def residual_batch(self, phis, us, gs):
+        """([residual r_p], sum_p ||r_p||^2) of many points; ``gs`` a list or None."""
+        rs, total = [], 0.0
+        for p, (phi, u) in enumerate(zip(phis, us)):
+            r, rr = self.residual(phi, u, None if gs is None else gs[p])
+            rs.append(r)
+            total += rr
+        return rs, total
+
+    def fas_rhs_batch(self, rs, vs, phis):
+        """In place: rs[p] += vs[p] - phis[p]."""
+        for r, v, phi in zip(rs, vs, phis):
+            self.fas_rhs(r, v, phi)
+
+    def correct_batch(self, us, ucs, vs):
+        """[us[p] + (ucs[p] - vs[p])] (new arrays)."""
+        return [self.correct(u, uc, v) for u, uc, v in zip(us, ucs, vs)]
+
+    def add_batch(self, xs, ys, in_place=False):
+        """[xs[p] + ys[p]]: new arrays, or added into xs when ``in_place``."""
+        if in_place:
+            for x, y in zip(xs, ys):
+                x += y
+            return xs
+        return [self.add(x, y) for x, y in zip(xs, ys)]
+
     def norm2(self, a):
         """||a||^2 (spatial 2-norm squared, real or complex) as a Python float."""
         if isinstance(a, np.ndarray):
@@ -115,3 +142,41 @@ class NumbaOps(GenericOps):
         out = np.empty_like(a)
         _add(a.reshape(-1), b.reshape(-1), out.reshape(-1))
         return out
+
+
+class BatchedOps(GenericOps):
+    """The batched forms as one RawKernel launch each (a :class:`mgnn.backend.cupy_raw.RawBackend`:
+    the GPU, or its host emulation); single-point operations go to ``single`` (Numba CUDA on a
+    GPU, the generic reference under emulation)."""
+
+    name = "batched"
+
+    def __init__(self, raw, single):
+        self.raw, self.single = raw, single
+
+    def residual(self, phi, u, g):
+        return self.single.residual(phi, u, g)
+
+    def fas_rhs(self, r, v, phi_c):
+        return self.single.fas_rhs(r, v, phi_c)
+
+    def correct(self, u, uc, v):
+        return self.single.correct(u, uc, v)
+
+    def add(self, a, b):
+        return self.single.add(a, b)
+
+    def norm2(self, a):
+        return self.single.norm2(a)
+
+    def residual_batch(self, phis, us, gs):
+        return self.raw.residual_batched(phis, us, gs)
+
+    def fas_rhs_batch(self, rs, vs, phis):
+        self.raw.combine_batched(0, rs, rs, vs, phis)
+
+    def correct_batch(self, us, ucs, vs):
+        return self.raw.combine_batched(1, None, us, ucs, vs)
+
+    def add_batch(self, xs, ys, in_place=False):
+        return self.raw.combine_batched(2, xs if in_place else None, xs, ys)

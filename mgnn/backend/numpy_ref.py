@@ -233,3 +233,25 @@ def conv_forward_batched(xs, K, b, layers, h, act, store_deriv):
 def conv_vjp_input_batched(gys, derivs, K, layers, h):
     """:func:`dense_vjp_input_batched` for conv steps."""
     return [conv_vjp_input(g, d, K[l], h, True) for g, d, l in zip(gys, derivs, layers)]
+
+
+def dense_deriv_batched(xs, W, b, layers, act):
+    """[sigma'(xs[p] W[l]^T + b[l])] for l = layers[p] (the stored derivatives of many layers)."""
+    return [dense_deriv(x, W[l], b[l], act) for x, l in zip(xs, layers)]
+
+
+def dense_vjp_params_batched(gys, derivs, xs, layers, h, gW, gb):
+    """In place: (gW[l], gb[l]) = dense_vjp_params(gys[p], derivs[p], xs[p], h), l = layers[p]."""
+    for g, d, x, l in zip(gys, derivs, xs, layers):
+        gW[l], gb[l] = dense_vjp_params(g, d, x, h)
+
+
+def conv_deriv_batched(xs, K, b, layers, act):
+    """[sigma'(conv3x3(xs[p], K[l]) + b[l])] for l = layers[p]."""
+    return [conv_deriv(x, K[l], b[l], act) for x, l in zip(xs, layers)]
+
+
+def conv_vjp_params_batched(gys, derivs, xs, layers, h, gK, gb):
+    """In place: (gK[l], gb[l]) = conv_vjp_params(gys[p], derivs[p], xs[p], h), l = layers[p]."""
+    for g, d, x, l in zip(gys, derivs, xs, layers):
+        gK[l], gb[l] = conv_vjp_params(g, d, x, h)

@@ -16,7 +16,7 @@ class _StepKind:
     """Shared code of the residual step kinds; subclasses name their kernels."""
 
     _fwd = _fwd_deriv = _deriv = _vjp = _vjp_input = _vjp_params = None  # backend kernel names
-    _fwd_batched = _vjp_input_batched = None
+    _fwd_batched = _vjp_input_batched = _deriv_batched = _vjp_params_batched = None
 
     def __init__(self, activation):
         self.activation = activation
@@ -49,6 +49,15 @@ class _StepKind:
         """[lams[p] + h J_l^T lams[p]] for l = layers[p], from sigma' ``derivs[p]`` at the
         states of those layers, in one batched kernel call."""
         return getattr(bk, self._vjp_input_batched)(lams, derivs, W, layers, h)
+
+    def deriv_batched(self, W, b, us, layers, bk):
+        """[sigma'(z) of layer layers[p] at state us[p]] in one batched kernel call."""
+        return getattr(bk, self._deriv_batched)(us, W, b, layers, self.act)
+
+    def vjp_params_batched(self, us, h, lams, derivs, layers, gW, gb, bk):
+        """In place: gW[l], gb[l] = :meth:`vjp_params` of every (us[p], lams[p], derivs[p]) with
+        l = layers[p] (distinct), in one batched kernel call."""
+        getattr(bk, self._vjp_params_batched)(lams, derivs, us, layers, h, gW, gb)
 
     def vjp(self, W, b, u, h, lam, bk, deriv=None):
         """(state vjp, gW, gb) of one step at u for the cotangent lam of u_next."""
@@ -84,6 +93,7 @@ class DenseStep(_StepKind):
     _fwd, _fwd_deriv, _deriv = "dense_forward", "dense_forward_deriv", "dense_deriv"
     _vjp, _vjp_input, _vjp_params = "dense_vjp", "dense_vjp_input", "dense_vjp_params"
     _fwd_batched, _vjp_input_batched = "dense_forward_batched", "dense_vjp_input_batched"
+    _deriv_batched, _vjp_params_batched = "dense_deriv_batched", "dense_vjp_params_batched"
 
     def __init__(self, width, activation="tanh"):
         super().__init__(activation)
@@ -110,6 +120,7 @@ class ConvStep(_StepKind):
     _fwd, _fwd_deriv, _deriv = "conv_forward", "conv_forward_deriv", "conv_deriv"
     _vjp, _vjp_input, _vjp_params = "conv_vjp", "conv_vjp_input", "conv_vjp_params"
     _fwd_batched, _vjp_input_batched = "conv_forward_batched", "conv_vjp_input_batched"
+    _deriv_batched, _vjp_params_batched = "conv_deriv_batched", "conv_vjp_params_batched"
 
     def __init__(self, channels, image_size, activation="tanh"):
         super().__init__(activation)

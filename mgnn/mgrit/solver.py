@@ -64,6 +64,19 @@ def hierarchy(n_steps, options):
     return sizes
 
 
+class _PointByPoint:
+    """Batched vector operations for an ops object that has only the single-point ones."""
+
+    def __init__(self, ops):
+        from ..backend.fas_ops import GenericOps
+        self._ops, self._loops = ops, GenericOps
+
+    def __getattr__(self, name):
+        if name.endswith("_batch"):
+            return getattr(self._loops, name).__get__(self)
+        return getattr(self._ops, name)
+
+
 class _Done:
     """A completed request (no-overlap mode waits at once)."""
 
@@ -154,6 +167,8 @@ class MGRITSolver:
         self.abort = abort_on_error
         self.overlap = bool(overlap)
         self.ops = ops if ops is not None else vector_ops("numpy")
+        if not callable(getattr(self.ops, "residual_batch", None)):
+            self.ops = _PointByPoint(self.ops)
         self._vector_seconds = 0.0
         self.levels = [_Level(lev, n, o.cf ** lev, partition, self.halo.rank)
                        for lev, n in enumerate(self.sizes)]
@@ -244,14 +259,11 @@ class MGRITSolver:
                 waves = [[j] for j in points]
             for wave in waves:
                 outs = self._phi_batch([U[j - 1] for j in wave], [j - 1 for j in wave], lev)
+                if G is not None:
+                    # a propagator that promised new arrays gets the rhs added in place
+                    outs = ops.add_batch(outs, [G[j] for j in wave], in_place=prop_fresh)
                 for j, v in zip(wave, outs):
-                    if G is None:
-                        U[j] = v
-                    elif prop_fresh:
-                        v += G[j]  # the propagator promised a new array: add the rhs in place
-                        U[j] = v
-                    else:
-                        U[j] = ops.add(v, G[j])
+                    U[j] = v
 
         sends = []
         if send_right and self.overlap and (n_tail or not js or js[-1] != b - 1):
@@ -317,19 +329,20 @@ class MGRITSolver:
             return V, None, 0.0
         self._f_relax(U, G, lev)
         phis = self._phis(lev, U, lambda j: j % cf == 0, "residual")
-        Gc, r2 = [None] * (C.n + 1), 0.0
+        Gc = [None] * (C.n + 1)
         ops = self.ops
         t0 = time.perf_counter()
-        for c, phi in phis.items():
-            # r is a new array: the in-place update below touches nothing else
-            r, rr = ops.residual(phi, U[c], None if G is None else G[c])
-            r2 += rr
+        cs = list(phis)
+        # the r are new arrays: the in-place update below touches nothing else
+        rs, r2 = ops.residual_batch([phis[c] for c in cs], [U[c] for c in cs],
+                                    None if G is None else [G[c] for c in cs])
+        for c, r in zip(cs, rs):
             Gc[c // cf] = r
         self._vector_seconds += time.perf_counter() - t0
         coarse_phis = self._phis(lev + 1, V, lambda i: True, "fas_rhs")
         t0 = time.perf_counter()
-        for i, phi in coarse_phis.items():
-            ops.fas_rhs(Gc[i], V[i], phi)
+        ii = list(coarse_phis)
+        ops.fas_rhs_batch([Gc[i] for i in ii], [V[i] for i in ii], [coarse_phis[i] for i in ii])
         self._vector_seconds += time.perf_counter() - t0
         return V, Gc, r2
 
@@ -360,8 +373,11 @@ class MGRITSolver:
             self._f_relax(Uc, Gc, lev + 1)
         C = self.levels[lev + 1]
         t0 = time.perf_counter()
-        for i in range(max(C.a, 1), C.b):
-            U[o.cf * i] = self.ops.correct(U[o.cf * i], Uc[i], V[i])
+        ii = range(max(C.a, 1), C.b)
+        outs = self.ops.correct_batch([U[o.cf * i] for i in ii], [Uc[i] for i in ii],
+                                      [V[i] for i in ii])
+        for i, u in zip(ii, outs):
+            U[o.cf * i] = u
         self._vector_seconds += time.perf_counter() - t0
         return r2
 

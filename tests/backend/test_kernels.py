@@ -258,3 +258,78 @@ def test_batched_steps(backend, dtype, act, store, rng):
     for p, l in enumerate(layers):
         assert_close(gs[p], REF.conv_vjp_input(us[p], derivs[p], K[l], h, True), dtype,
                      f"conv vjp[{p}]")
+
+
+@pytest.mark.parametrize("backend", FAST)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("act", ACTS)
+def test_batched_derivs_and_parameter_gradients(backend, dtype, act, rng):
+    """sigma' of many layers at once, and the parameter gradients of many layers written into
+    the stacked gradient arrays (rows of other layers untouched)."""
+    bk = _backend(backend)
+    L, B, w = 6, 7, 9
+    layers = [4, 1, 2]
+    h = np.dtype(dtype).type(0.3)
+    W, b = _rand(rng, (L, w, w), dtype), _rand(rng, (L, w), dtype)
+    xs = [_rand(rng, (B, w), dtype) for _ in layers]
+    gys = [_rand(rng, (B, w), dtype) for _ in layers]
+    ds = bk.dense_deriv_batched(xs, W, b, layers, act)
+    for p, l in enumerate(layers):
+        assert_close(ds[p], REF.dense_deriv(xs[p], W[l], b[l], act), dtype, f"dense d[{p}]")
+    gW, gb = np.full_like(W, 7.0), np.full_like(b, 7.0)
+    bk.dense_vjp_params_batched(gys, ds, xs, layers, h, gW, gb)
+    for l in range(L):
+        if l in layers:
+            p = layers.index(l)
+            rW, rb = REF.dense_vjp_params(gys[p], ds[p], xs[p], h)
+            assert_close(gW[l], rW, dtype, f"gW[{l}]")
+            assert_close(gb[l], rb, dtype, f"gb[{l}]")
+        else:
+            assert (gW[l] == 7).all() and (gb[l] == 7).all()
+    C, H, Wd = 2, 3, 5
+    K, cb = _rand(rng, (L, C, C, 3, 3), dtype), _rand(rng, (L, C), dtype)
+    us = [_rand(rng, (2, C, H, Wd), dtype) for _ in layers]
+    gus = [_rand(rng, (2, C, H, Wd), dtype) for _ in layers]
+    ds = bk.conv_deriv_batched(us, K, cb, layers, act)
+    for p, l in enumerate(layers):
+        assert_close(ds[p], REF.conv_deriv(us[p], K[l], cb[l], act), dtype, f"conv d[{p}]")
+    gK, gcb = np.full_like(K, 7.0), np.full_like(cb, 7.0)
+    bk.conv_vjp_params_batched(gus, ds, us, layers, h, gK, gcb)
+    for l in range(L):
+        if l in layers:
+            p = layers.index(l)
+            rK, rb = REF.conv_vjp_params(gus[p], ds[p], us[p], h)
+            assert_close(gK[l], rK, dtype, f"gK[{l}]")
+            assert_close(gcb[l], rb, dtype, f"gcb[{l}]")
+        else:
+            assert (gK[l] == 7).all() and (gcb[l] == 7).all()
+
+
+@pytest.mark.parametrize("backend", ["numpy", "numba"] + [b for b in FAST if "cuda" in b])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_g", [True, False])
+def test_batched_vector_ops(backend, dtype, with_g, rng):
+    """The MGRIT vector operations of many points at once equal the generic reference point by
+    point (in-place forms included)."""
+    from mgnn.backend import vector_ops
+    ref, ops = vector_ops("numpy"), vector_ops(backend)
+    k, shape = 5, (3, 7)
+    phis, us, gs, vs = ([_rand(rng, shape, dtype) for _ in range(k)] for _ in range(4))
+    rs, total = ops.residual_batch(phis, us, gs if with_g else None)
+    want = [ref.residual(phi, u, g if with_g else None) for phi, u, g in zip(phis, us, gs)]
+    for r, (wr, _) in zip(rs, want):
+        assert_close(r, wr, dtype, "residual")
+    exact = sum(float(np.sum(wr.astype(np.float64) ** 2)) for wr, _ in want)
+    assert abs(float(total) - exact) <= 10 * RTOL_OF[dtype] * exact
+    rs2 = [r.copy() for r in rs]
+    ops.fas_rhs_batch(rs2, vs, phis)
+    for r2, r, v, phi in zip(rs2, rs, vs, phis):
+        assert_close(r2, ref.fas_rhs(r.copy(), v, phi), dtype, "fas_rhs")
+    for c, u, g, v in zip(ops.correct_batch(us, gs, vs), us, gs, vs):
+        assert_close(c, ref.correct(u, g, v), dtype, "correct")
+    for a, u, g in zip(ops.add_batch(us, gs), us, gs):
+        assert_close(a, ref.add(u, g), dtype, "add")
+    xs = [u.copy() for u in us]
+    ops.add_batch(xs, gs, in_place=True)
+    for x, u, g in zip(xs, us, gs):
+        assert_close(x, ref.add(u, g), dtype, "add in place")

@@ -87,11 +87,37 @@ def _exercise(bk, rng, dt, B=9, w=10):
                           bk.conv_vjp_input_batched([gu], [cd], K[None], [0], h)),
                          (REF.conv_forward_batched([u], K[None], cb[None], [0], h, 0, False)[0],
                           REF.conv_vjp_input_batched([gu], [cd], K[None], [0], h))),
+        "dense_params_batched": (_params_batched(bk, "dense", [g], [d], [x], Ws, bs, h),
+                                 _params_batched(REF, "dense", [g], [d], [x], Ws, bs, h)),
+        "conv_params_batched": (_params_batched(bk, "conv", [gu], [cd], [u], K[None], cb[None], h),
+                                _params_batched(REF, "conv", [gu], [cd], [u], K[None], cb[None],
+                                                h)),
+        "fas_vectors": (_fas(bk, [x, g], [g, x], [d, d]), _fas(None, [x, g], [g, x], [d, d])),
         "avgpool": ((bk.avgpool_forward(u, 2), bk.avgpool_vjp(gu[:, :, :2, :2].copy(), 4, 4)),
                     (REF.avgpool_forward(u, 2), REF.avgpool_vjp(gu[:, :, :2, :2], 4, 4))),
         "softmax_xent": (bk.softmax_xent(logits, y), REF.softmax_xent(logits, y)),
     }
     return out
+
+
+def _params_batched(bk, kind, gys, derivs, xs, W, b, h):
+    """(derivs, gW, gb) of the batched deriv + parameter-gradient kernels (layer 0 of W, b)."""
+    ds = getattr(bk, f"{kind}_deriv_batched")(xs, W, b, [0] * len(xs), 1)
+    gW, gb = np.zeros_like(W), np.zeros_like(b)
+    getattr(bk, f"{kind}_vjp_params_batched")(gys, derivs, xs, [0] * len(xs), h, gW, gb)
+    return ds, gW, gb
+
+
+def _fas(bk, xs, ys, zs):
+    """The batched FAS vector kernels (bk) or their point-by-point reference (None)."""
+    if bk is None:
+        rs = [(x - y) + z for x, y, z in zip(xs, ys, zs)]
+        total = sum(float(np.sum(r.astype(np.float64) ** 2)) for r in rs)
+        return (rs, np.float64(total), [(x + y) - z for x, y, z in zip(xs, ys, zs)],
+                [x + (y - z) for x, y, z in zip(xs, ys, zs)], [x + y for x, y in zip(xs, ys)])
+    rs, total = bk.residual_batched(xs, ys, zs)
+    return (rs, total, bk.combine_batched(0, None, xs, ys, zs),
+            bk.combine_batched(1, None, xs, ys, zs), bk.combine_batched(2, None, xs, ys))
 
 
 def _flatten(a):
