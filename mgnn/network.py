@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 
-from .backend import check_dtype, get_backend, to_host, vector_ops
+from .backend import check_dtype, get_backend, is_device_array, to_host, vector_ops
 from .comm import Layout, abort_on_error, agree_on_errors
 from .comm.halo import tag
 from .mgrit import MGRITOptions, MGRITSolver, hierarchy
@@ -682,7 +682,7 @@ def _in_place():
 def _allreduce_staged(comm, buf):
     """Sum ``buf`` over ``comm`` in place; device arrays go through a host copy (used for
     checkpoints and epoch-end synchronisation only, never inside a training step)."""
-    if isinstance(buf, np.ndarray):
+    if not is_device_array(buf):
         comm.Allreduce(_in_place(), buf)
         return
     import cupy
@@ -702,7 +702,7 @@ class _Buckets:
     def __init__(self, data_comm, grads):
         self.comm = data_comm if data_comm is not None and data_comm.Get_size() > 1 else None
         self.grads, self.requests, self.staged = grads, [], []
-        self.device = not isinstance(grads.flat, np.ndarray)
+        self.device = is_device_array(grads.flat)
         if self.device and self.comm is not None:
             from .comm import cuda_aware_mpi
             self.cuda_aware = cuda_aware_mpi()[0]

@@ -3,6 +3,8 @@ import numbers
 
 import numpy as np
 
+from .backend import is_device_array
+
 
 def _nonneg(name, v):
     if isinstance(v, bool) or not isinstance(v, numbers.Real) or not np.isfinite(v) or v < 0:
@@ -17,7 +19,7 @@ class Optimizer:
         if not hasattr(params, "dtype") or getattr(params, "ndim", None) != 1:
             raise TypeError("params must be a 1-D numpy or cupy array (e.g. model.params.flat)")
         #: fused Numba CUDA updates for device parameters (mgnn.backend.numba_cuda), else numpy
-        self.device = not isinstance(params, np.ndarray)
+        self.device = is_device_array(params)
         self.params = params
         self.lr = _nonneg("lr", lr)
         self.t = 0
@@ -39,7 +41,7 @@ class Optimizer:
         for k, v in self._buffers().items():
             if k not in state or state[k].shape != v.shape:
                 raise ValueError(f"optimizer state {k!r} missing or of the wrong shape")
-            v[...] = state[k] if isinstance(v, np.ndarray) else _device_array(state[k])
+            v[...] = _device_array(state[k]) if self.device else state[k]
 
     def _buffers(self):
         return {}

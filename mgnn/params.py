@@ -31,10 +31,11 @@ class ParamDict(dict):
     @property
     def xp(self):
         """The array module of :attr:`flat` (numpy, or cupy for device parameters)."""
-        if isinstance(self.flat, np.ndarray):
-            return np
-        import cupy
-        return cupy.get_array_module(self.flat)
+        import sys
+        cp = sys.modules.get("cupy")
+        if cp is not None and isinstance(self.flat, cp.ndarray):
+            return cp
+        return np
 
     def to(self, xp):
         """The same parameters in array module ``xp`` (``self`` if already there; else a copy)."""

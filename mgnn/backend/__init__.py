@@ -107,13 +107,19 @@ def get_backend(name):
     return _instances[name]
 
 
+def is_device_array(a):
+    """Whether ``a`` is a CuPy (device) array; never imports CuPy."""
+    import sys
+    cp = sys.modules.get("cupy")
+    return cp is not None and isinstance(a, cp.ndarray)
+
+
 def to_host(a):
     """``a`` as a NumPy array (a copy from the device for CuPy arrays; ``a`` itself if NumPy)."""
     import numpy as np
-    if isinstance(a, np.ndarray):
-        return a
-    get = getattr(a, "get", None)
-    return get() if callable(get) else np.asarray(a)
+    if is_device_array(a):
+        return a.get()
+    return np.asarray(a)
 
 
 def activation_code(name):

@@ -1,0 +1,132 @@
+"""mgnn's CuPy code paths on a fake ``cupy`` (tests/fakegpu/cupy): run by tests/test_fake_gpu.py
+in a subprocess with this folder first on sys.path and NUMBA_ENABLE_CUDASIM=1. Not collected by
+the outer pytest (the file name does not start with test_)."""
+import numpy as np
+import pytest
+
+import cupy
+
+if not getattr(cupy, "__version__", "").endswith("fake"):
+    pytest.skip("needs the fake cupy of tests/fakegpu first on sys.path", allow_module_level=True)
+
+import mgnn  # noqa: E402
+from mgnn import MGRITOptions  # noqa: E402
+from mgnn.backend import get_backend, numpy_ref as REF, to_host  # noqa: E402
+
+# the training cases run the emulated kernels with tiny tiles (fast; several blocks even on tiny
+# inputs); the first test keeps the real GPU geometry
+import mgnn.backend as _backend  # noqa: E402
+from mgnn.backend.cupy_raw import CupyLauncher, RawBackend  # noqa: E402
+from mgnn.backend.host_emulation import EMULATION_GEOMETRY  # noqa: E402
+
+_backend._instances["cuda"] = RawBackend(CupyLauncher(EMULATION_GEOMETRY), "cuda")
+
+FWD = MGRITOptions(cf=2, max_levels=3, max_iter=2, tol=0.0)
+BWD = MGRITOptions(cf=2, max_levels=3, max_iter=1, tol=0.0)
+
+
+def _model(kind, dtype="float64", n=8):
+    if kind == "dense":
+        return mgnn.dense_resnet(5, 4, 3, n, t_final=1.5, seed=4, dtype=dtype)
+    return mgnn.conv_resnet(1, 2, (4, 4), 3, n, t_final=1.5, seed=4, dtype=dtype)
+
+
+def _data(kind, rng, batch=4, dtype="float64"):
+    shape = (batch, 5) if kind == "dense" else (batch, 1, 4, 4)
+    return rng.standard_normal(shape).astype(dtype), rng.integers(0, 3, batch)
+
+
+def test_backend_is_the_cupy_launcher_and_refuses_host_arrays(rng):
+    assert get_backend("cuda").launcher.name == "cupy"
+    bk = RawBackend(CupyLauncher(), "cuda")  # the GPU geometry: 256-thread blocks
+    assert bk.xp is cupy
+    x, W, b = rng.standard_normal((3, 4)), rng.standard_normal((4, 4)), rng.standard_normal(4)
+    with pytest.raises(TypeError, match="host numpy array"):
+        bk.dense_forward(x, cupy.asarray(W), cupy.asarray(b), 0.5, 0, True)
+    y = bk.dense_forward(cupy.asarray(x), cupy.asarray(W), cupy.asarray(b), 0.5, 0, True)
+    assert isinstance(y, cupy.ndarray)
+    np.testing.assert_allclose(y.get(), REF.dense_forward(x, W, b, 0.5, 0, True), rtol=1e-12)
+    logits, labels = rng.standard_normal((4, 3)), rng.integers(0, 3, 4)
+    loss, g = bk.softmax_xent(cupy.asarray(logits), cupy.asarray(labels))
+    loss_r, g_r = REF.softmax_xent(logits, labels)
+    assert abs(float(loss) - loss_r) <= 1e-12 * abs(loss_r)
+    np.testing.assert_allclose(g.get(), g_r, rtol=1e-12, atol=1e-15)
+
+
+class _DLPackOnly:
+    """An array from someone else's GPU code that speaks DLPack only."""
+
+    def __init__(self, a):
+        self.a = a
+
+    def __dlpack__(self, **kwargs):
+        return self.a.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self.a.__dlpack_device__()
+
+
+@pytest.mark.parametrize("kind", ["dense", "conv"])
+@pytest.mark.parametrize("inputs", ["numpy", "cupy", "dlpack"])
+def test_layer_parallel_on_the_device_equals_numba(kind, inputs, rng):
+    x, y = _data(kind, rng)
+    loss0, g0 = mgnn.LayerParallel(_model(kind), FWD, BWD, backend="numba").loss_and_grad(x, y)
+    m = _model(kind)
+    lp = mgnn.LayerParallel(m, FWD, BWD, backend="cuda")
+    assert isinstance(m.params.flat, cupy.ndarray)
+    assert all(isinstance(v, cupy.ndarray) for v in m.params.values())
+    xi = {"numpy": x, "cupy": cupy.asarray(x), "dlpack": _DLPackOnly(x)}[inputs]
+    yi = cupy.asarray(y) if inputs == "cupy" else y
+    loss, g = lp.loss_and_grad(xi, yi)
+    assert isinstance(loss, float) and isinstance(g.flat, cupy.ndarray)
+    assert abs(loss - loss0) <= 1e-10 * abs(loss0)
+    for k in g0:
+        np.testing.assert_allclose(to_host(g[k]), g0[k], rtol=1e-10,
+                                   atol=1e-10 * np.abs(g0[k]).max(), err_msg=k)
+    pred = lp.predict(xi)
+    assert isinstance(pred, cupy.ndarray)
+
+
+def test_bad_device_input_is_a_clear_error(rng):
+    lp = mgnn.LayerParallel(_model("dense"), FWD, BWD, backend="cuda")
+    x, y = _data("dense", rng)
+    bad = x.copy()
+    bad[1, 2] = np.nan
+    with pytest.raises(ValueError, match="non-finite"):
+        lp.loss_and_grad(cupy.asarray(bad), y)
+    with pytest.raises(ValueError, match="out of range"):
+        lp.loss_and_grad(cupy.asarray(x), cupy.asarray(y + 5))
+    with pytest.raises(TypeError, match="dtype"):
+        lp.loss_and_grad(cupy.asarray(x.astype(np.float32)), y)
+    with pytest.raises(TypeError, match="list"):
+        lp.loss_and_grad(x.tolist(), y)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_fit_checkpoint_and_resume_on_the_device(optimizer, rng, tmp_path):
+    """Training on the device (fused Numba CUDA optimizer updates under the simulator) gives
+    the numba run's history; a device checkpoint restores into a fresh device model."""
+    from mgnn.optim import make_optimizer
+    from mgnn.train import fit, load_checkpoint, restore
+    x, y = _data("dense", rng, batch=24)
+    xt, yt = _data("dense", rng, batch=8)
+    hist = {}
+    for backend in ("numba", "cuda"):
+        m = _model("dense")
+        lp = mgnn.LayerParallel(m, FWD, BWD, backend=backend)
+        opt = make_optimizer(optimizer, m.params.flat, 0.05, momentum=0.9, weight_decay=1e-3)
+        assert opt.device == (backend == "cuda")
+        ck = str(tmp_path / f"{backend}.npz")
+        hist[backend] = fit(lp, opt, x, y, xt, yt, epochs=2, batch_size=8,
+                            rng=np.random.default_rng(1), checkpoint=ck, progress=False)
+    for a, b in zip(hist["numba"], hist["cuda"]):
+        assert abs(a["loss"] - b["loss"]) <= 1e-9 * abs(a["loss"])
+        assert a["test_accuracy"] == b["test_accuracy"]
+    fresh = _model("dense", n=8)
+    lp = mgnn.LayerParallel(fresh, FWD, BWD, backend="cuda")
+    opt = make_optimizer(optimizer, fresh.params.flat, 0.05, momentum=0.9)
+    restore(load_checkpoint(str(tmp_path / "cuda.npz")), fresh, opt, np.random.default_rng(0))
+    ref = load_checkpoint(str(tmp_path / "numba.npz"))
+    for k, v in fresh.params.items():
+        assert isinstance(v, cupy.ndarray)
+        np.testing.assert_allclose(to_host(v), ref["params"][k], rtol=1e-9, atol=1e-12)
