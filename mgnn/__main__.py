@@ -76,7 +76,9 @@ def _bench_parser(sub):
                                    "(run under mpiexec -n P, or it launches mpiexec itself), "
                                    "writing CSV, JSON and PNG plots.",
                        epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("suite", choices=["kernels", "mgrit", "scaling"], help="which benchmark")
+    p.add_argument("suite", choices=["kernels", "mgrit", "scaling", "gpu-launches"],
+                   help="which benchmark (gpu-launches: launches and host time of a GPU "
+                        "training step, no GPU needed)")
     p.add_argument("--quick", action="store_true", help="fewer cases / smaller sizes")
     p.add_argument("--json", action="store_true", help="kernels/mgrit: JSON lines")
     g = p.add_argument_group("scaling")
@@ -247,6 +249,10 @@ def cmd_bench(args):
     if args.suite == "kernels":
         results = run_kernels(quick=args.quick)
         text = format_results(results)
+    elif args.suite == "gpu-launches":
+        from .bench import bench_gpu_launches, format_gpu_launches
+        results = bench_gpu_launches(n_layers=128 if args.quick else 1024)
+        text = format_gpu_launches(results)
     else:
         results = bench_mgrit(n_layers=64 if args.quick else 256)
         text = format_mgrit(results)

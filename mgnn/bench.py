@@ -200,3 +200,99 @@ def format_mgrit(results):
         f"in FAS vector kernels {100 * r['vector_kernels_fraction']:.1f}%, outside kernels "
         f"(Python, bookkeeping) {100 * r['outside_kernels_fraction']:.1f}%  "
         f"[target {r['target']}]" for r in results)
+
+
+class CountingLauncher:
+    """A RawKernel launcher that launches nothing: it counts the launches of each kernel and
+    allocates zero-filled NumPy arrays, so a training step through
+    :class:`mgnn.backend.cupy_raw.RawBackend` measures the host side of the GPU backend (Python
+    orchestration, pointer arrays, allocations) and its launch counts on any machine."""
+
+    name = "counting"
+    on_device = False
+
+    def __init__(self):
+        import collections
+        import types
+        from .backend.cupy_raw import GPU_GEOMETRY
+        self.geometry = dict(GPU_GEOMETRY)
+        self.xp = types.SimpleNamespace(**{k: getattr(np, k) for k in dir(np)
+                                           if not k.startswith("_")})
+        self.xp.empty = self._alloc  # no kernel writes: zero-filled keeps the values finite
+        self.launches = collections.Counter()
+        self.pointers = self.allocations = 0
+
+    def _alloc(self, shape, dtype=float):
+        self.allocations += 1
+        return np.zeros(shape, dtype)
+
+    def ptr(self, a):
+        self.pointers += 1
+        return a.__array_interface__["data"][0]
+
+    def to_device(self, a):
+        return np.ascontiguousarray(a)
+
+    def launch(self, name, dtype, grid, block, args):
+        self.launches[name] += 1
+
+    def synchronize(self):
+        """Nothing runs."""
+
+
+def bench_gpu_launches(n_layers=1024, width=64, batch=64, cf=4, levels=3, fwd_iters=2,
+                       bwd_iters=1, repeats=3, seed=0):
+    """Kernel launches and host-side seconds of one training step of the GPU backend, with
+    interval-batched MGRIT and layer by layer, without running any kernel (see
+    :class:`CountingLauncher`): the launch-bound part of the GPU cost, measurable anywhere.
+
+    Here a device pointer costs a NumPy ``__array_interface__`` read (~2 us; CuPy's
+    ``.data.ptr`` is ~10x cheaper) and an allocation a zero fill, so ``host_seconds`` is an upper
+    bound of the GPU's host side; ``pointers`` and ``allocations`` count both.
+
+    Returns a list of dicts: method, launches, launches_by_kernel, pointers, allocations,
+    host_seconds (median).
+    """
+    from .backend.cupy_raw import RawBackend
+    from .mgrit import MGRITOptions
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((batch, width)).astype(np.float32)
+    y = rng.integers(0, 10, batch)
+    out = []
+    for method in ("mgrit", "serial"):
+        launcher = CountingLauncher()
+        bk = RawBackend(launcher, "counting")
+        model = dense_resnet(width, width, 10, n_layers, dtype="float32", seed=seed)
+        if method == "mgrit":
+            fwd = MGRITOptions(cf=cf, max_levels=levels, max_iter=fwd_iters, tol=0.0)
+            bwd = MGRITOptions(cf=cf, max_levels=levels, max_iter=bwd_iters, tol=0.0)
+            lp = LayerParallel(model, fwd, bwd, backend=bk)
+        else:
+            lp = LayerParallel(model, backend=bk)
+        lp.loss_and_grad(x, y)
+        launcher.launches.clear()
+        launcher.pointers = launcher.allocations = 0
+        lp.loss_and_grad(x, y)
+        counts = dict(launcher.launches)
+        pointers, allocations = launcher.pointers, launcher.allocations
+        seconds = median_time(lambda: lp.loss_and_grad(x, y), repeats=repeats, warmup=0,
+                              min_time=0.0)
+        out.append({"method": method, "n_layers": n_layers, "width": width, "batch": batch,
+                    "launches": sum(counts.values()), "launches_by_kernel": counts,
+                    "pointers": pointers, "allocations": allocations, "host_seconds": seconds})
+    return out
+
+
+def format_gpu_launches(results):
+    """Table of :func:`bench_gpu_launches` results."""
+    lines = ["GPU backend, one training step, no kernel run (host side only):",
+             f"{'method':>8} {'N':>6} {'launches':>9} {'pointers':>9} {'allocs':>7} "
+             f"{'host ms':>9}"]
+    for r in results:
+        lines.append(f"{r['method']:>8} {r['n_layers']:>6} {r['launches']:>9} "
+                     f"{r['pointers']:>9} {r['allocations']:>7} {1e3 * r['host_seconds']:9.1f}")
+    if len(results) == 2:
+        m, s = results
+        lines.append(f"launches serial / MGRIT: {s['launches'] / m['launches']:.1f}x; host time "
+                     f"MGRIT / serial: {m['host_seconds'] / s['host_seconds']:.1f}x")
+    return "\n".join(lines)

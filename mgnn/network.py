@@ -256,7 +256,10 @@ class LayerParallel:
     data_ranks : int
         Data-parallel replicas D; each passes its own shard to :meth:`loss_and_grad` and the
         result is the loss and gradient of the global batch.
-    backend : {'numba', 'numpy', 'cuda', 'cuda-emulated'}
+    backend : {'numba', 'numpy', 'cuda', 'cuda-emulated'} or a backend object
+        (an object with every kernel of ``mgnn.backend.KERNELS``, an array module ``xp`` and
+        ``batched_relaxation``, e.g. a :class:`mgnn.backend.cupy_raw.RawBackend` over another
+        launcher).
         'cuda' keeps everything on the GPU as CuPy arrays: constructing the LayerParallel moves
         ``model.params`` to the device (build the optimizer on ``model.params.flat`` after it);
         inputs may be CuPy arrays, any array with ``__cuda_array_interface__`` or DLPack (used
@@ -294,7 +297,7 @@ class LayerParallel:
         self.fwd, self.bwd, self.warm_start = fwd, bwd, warm_start
         self.overlap = bool(overlap)
         self.backend = backend
-        self.bk = get_backend(backend)
+        self.bk = get_backend(backend) if isinstance(backend, str) else _check_backend(backend)
         self.xp = getattr(self.bk, "xp", np)
         if self.xp is not np:
             model.params = model.params.to(self.xp)
@@ -355,7 +358,7 @@ class LayerParallel:
         if self.layout.size == 1:
             return "single process: no messages"
         if self.xp is np:
-            return f"host buffers ({self.backend} backend)"
+            return f"host buffers ({getattr(self.bk, 'name', self.backend)} backend)"
         from .comm import cuda_aware_mpi
         aware, why = cuda_aware_mpi()
         return ("device buffers straight to CUDA-aware MPI" if aware else
@@ -672,6 +675,15 @@ class LayerParallel:
         if lay.layer_comm is not None and lay.layer_size > 1:
             _allreduce_staged(lay.layer_comm, out)
         return out
+
+
+def _check_backend(bk):
+    """A user's backend object: it must provide every kernel of the contract."""
+    from .backend import KERNELS
+    missing = [k for k in KERNELS if not callable(getattr(bk, k, None))]
+    if missing:
+        raise TypeError(f"backend object {type(bk).__name__} lacks kernels {missing}")
+    return bk
 
 
 def _in_place():

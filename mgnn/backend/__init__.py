@@ -49,8 +49,14 @@ def gpu_available():
 def vector_ops(name="numpy"):
     """The MGRIT vector operations of backend ``name`` ('numpy': the generic reference that works
     for any array type; 'numba': fused one-pass kernels; 'cuda' / 'cuda-emulated': one batched
-    RawKernel launch for all points of a level, single points through Numba CUDA / generic)."""
-    from .fas_ops import GenericOps, NumbaOps
+    RawKernel launch for all points of a level, single points through Numba CUDA / generic).
+    ``name`` may also be a backend object (see :func:`get_backend`): batched operations if it
+    has RawKernel vector kernels, else the generic reference."""
+    from .fas_ops import BatchedOps, GenericOps, NumbaOps
+    if not isinstance(name, str):
+        if callable(getattr(name, "residual_batched", None)):
+            return BatchedOps(name, GenericOps())
+        return GenericOps()
     if name == "numba":
         return NumbaOps()
     if name == "numpy":
