@@ -207,51 +207,10 @@ def softmax_xent(logits, y):
 
 
 # ------------------------------------------------------------------- interval-batched steps
-def dense_forward_batched(xs, W, b, layers, h, act, store_deriv):
-    """Residual steps of several states at once (the F-intervals of one relaxation wave).
-
-    xs : list of (B, w) states; W (L, w, w), b (L, w) every layer's parameters; layers : ints,
-    the layer of each state. Returns (ys, derivs) -- lists of new (B, w) arrays,
-    ``ys[p] = xs[p] + h sigma(xs[p] W[l]^T + b[l])``, derivs sigma'(z) or None unless
-    ``store_deriv``.
-    """
-    outs = [dense_forward_deriv(x, W[l], b[l], h, act, True) for x, l in zip(xs, layers)]
-    return [y for y, _ in outs], ([d for _, d in outs] if store_deriv else None)
+def _export_batched():
+    import sys
+    from .batched_loops import batched_kernels
+    globals().update(batched_kernels(sys.modules[__name__]))
 
 
-def dense_vjp_input_batched(gys, derivs, W, layers, h):
-    """State vjps of several residual steps: ``gys[p] + h (derivs[p] gys[p]) W[l]``."""
-    return [dense_vjp_input(g, d, W[l], h, True) for g, d, l in zip(gys, derivs, layers)]
-
-
-def conv_forward_batched(xs, K, b, layers, h, act, store_deriv):
-    """:func:`dense_forward_batched` for conv steps: xs (B, C, H, W), K (L, C, C, 3, 3), b (L, C)."""
-    outs = [conv_forward_deriv(x, K[l], b[l], h, act, True) for x, l in zip(xs, layers)]
-    return [y for y, _ in outs], ([d for _, d in outs] if store_deriv else None)
-
-
-def conv_vjp_input_batched(gys, derivs, K, layers, h):
-    """:func:`dense_vjp_input_batched` for conv steps."""
-    return [conv_vjp_input(g, d, K[l], h, True) for g, d, l in zip(gys, derivs, layers)]
-
-
-def dense_deriv_batched(xs, W, b, layers, act):
-    """[sigma'(xs[p] W[l]^T + b[l])] for l = layers[p] (the stored derivatives of many layers)."""
-    return [dense_deriv(x, W[l], b[l], act) for x, l in zip(xs, layers)]
-
-
-def dense_vjp_params_batched(gys, derivs, xs, layers, h, gW, gb):
-    """In place: (gW[l], gb[l]) = dense_vjp_params(gys[p], derivs[p], xs[p], h), l = layers[p]."""
-    for g, d, x, l in zip(gys, derivs, xs, layers):
-        gW[l], gb[l] = dense_vjp_params(g, d, x, h)
-
-
-def conv_deriv_batched(xs, K, b, layers, act):
-    """[sigma'(conv3x3(xs[p], K[l]) + b[l])] for l = layers[p]."""
-    return [conv_deriv(x, K[l], b[l], act) for x, l in zip(xs, layers)]
-
-
-def conv_vjp_params_batched(gys, derivs, xs, layers, h, gK, gb):
-    """In place: (gK[l], gb[l]) = conv_vjp_params(gys[p], derivs[p], xs[p], h), l = layers[p]."""
-    for g, d, x, l in zip(gys, derivs, xs, layers):
-        gK[l], gb[l] = conv_vjp_params(g, d, x, h)
+_export_batched()
