@@ -144,7 +144,7 @@ class GPUKernels:
         rng = cupy.random.default_rng(0)
         w = 1024
         self.x = rng.standard_normal((w, w), dtype=dt)
-        self.W = rng.standard_normal((w, w), dtype=dt) / np.sqrt(w)
+        self.W = (rng.standard_normal((w, w), dtype=dt) / w ** 0.5).astype(dt)
         self.b = rng.standard_normal(w, dtype=dt)
         self.h = dt.type(0.1)
         self.xs = [rng.standard_normal((64, 64), dtype=dt) for _ in range(16)]

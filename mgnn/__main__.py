@@ -169,6 +169,12 @@ def cmd_train(args, comm=None):
     xte = ds.as_model_input(ds.x_test, args.model, model.dtype)
     lr = args.lr if args.lr is not None else (0.05 if args.optimizer == "sgd" else 0.003)
     fwd, bwd = _mgrit_options(args)
+    if args.backend == "cuda" and comm is not None:
+        from .backend import gpu_available
+        if gpu_available():  # else LayerParallel reports the missing GPU on every rank
+            from .comm import select_device
+            gpu = select_device(comm)
+            log(f"GPUs: rank 0 on device {gpu}; every rank takes node-local rank mod GPU count")
     lp = LayerParallel(model, fwd=fwd, bwd=bwd, backend=args.backend, warm_start=args.warm_start,
                        comm=comm, data_ranks=args.data_ranks)
     # after LayerParallel: the cuda backend has moved the parameters to the GPU

@@ -619,7 +619,7 @@ class LayerParallel:
         timings["allreduce"] += time.perf_counter() - t0
         timings["total"] = time.perf_counter() - t_start
         timings["other"] = timings["total"] - timings["steps"] - timings["vector"] \
-            - timings["halo_wait"] - timings["allreduce"]
+            - timings["halo_wait"] - timings["allreduce"] - timings["staging"]
         stats["timings"] = timings
         stats["mpi_path"] = getattr(solver.halo, "path", "host")
         self.stats = stats
@@ -707,17 +707,15 @@ class _Buckets:
     """Gradient buckets summed over the data replicas with nonblocking Allreduce, each started as
     soon as its gradients are final (closing before the adjoint solve, steps, then opening).
 
-    Device (CuPy) gradients go to MPI directly when the MPI library is CUDA-aware (after a
-    stream synchronisation), otherwise through host copies that are written back on :meth:`wait`.
+    Device (CuPy) gradients always go through host copies that are written back on
+    :meth:`wait`: CUDA-aware MPI libraries support device buffers in point-to-point and blocking
+    collectives, but not in nonblocking collectives such as Iallreduce (Open MPI's FAQ).
     """
 
     def __init__(self, data_comm, grads):
         self.comm = data_comm if data_comm is not None and data_comm.Get_size() > 1 else None
         self.grads, self.requests, self.staged = grads, [], []
         self.device = is_device_array(grads.flat)
-        if self.device and self.comm is not None:
-            from .comm import cuda_aware_mpi
-            self.cuda_aware = cuda_aware_mpi()[0]
 
     def start(self, first, last, lo=None, hi=None):
         """Start summing parameters ``first``..``last`` (adjacent in the flat buffer), or rows
@@ -737,11 +735,8 @@ class _Buckets:
             buf = sl
             if self.device:
                 import cupy
-                if self.cuda_aware:
-                    cupy.cuda.get_current_stream().synchronize()
-                else:
-                    buf = cupy.asnumpy(sl)  # synchronises the stream
-                    self.staged.append((sl, buf))
+                buf = cupy.asnumpy(sl)  # synchronises the stream
+                self.staged.append((sl, buf))
             self.requests.append(self.comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM))
 
     def wait(self):

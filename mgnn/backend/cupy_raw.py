@@ -29,6 +29,17 @@ GPU_GEOMETRY = {"BM": 64, "BN": 64, "BK": 16, "TM": 4, "TN": 4, "REDUCE": 256, "
                 "MAX_GRID": 65535}
 
 
+def module_source(fname):
+    """CUDA C of ``kernels/<fname>`` with its ``#include "common.cuh"`` replaced by the header's
+    text (what CupyLauncher and the NVRTC check compile)."""
+    kdir = kernel_dir()
+    with open(f"{kdir}/common.cuh") as fh:
+        header = fh.read()
+    with open(f"{kdir}/{fname}") as fh:
+        code = fh.read()
+    return code.replace('#include "common.cuh"', header)
+
+
 def geometry_flags(geometry):
     """Compiler defines of a launch geometry, e.g. ``['-DMGNN_BK=16', ...]``."""
     return [f"-DMGNN_{k}={v}" for k, v in sorted(geometry.items()) if k != "MAX_GRID"]
@@ -44,14 +55,16 @@ class CupyLauncher:
         import cupy
         self.xp = cupy
         self.geometry = dict(GPU_GEOMETRY if geometry is None else geometry)
-        kdir = kernel_dir()
-        options = ("-std=c++17", f"-I{kdir}", *geometry_flags(self.geometry))
+        options = ("-std=c++17", *geometry_flags(self.geometry))
         self._functions = {}
+        self._modules = []
         for fname, names in KERNEL_FILES.items():
-            with open(f"{kdir}/{fname}") as fh:
-                code = fh.read()
             exprs = [f"{k}<{t}>" for k in names for t in ("float", "double")]
-            module = cupy.RawModule(code=code, options=options, name_expressions=exprs)
+            # the header is inlined: CuPy's kernel cache keys on the code string, not on files
+            # reached through -I, so an edited common.cuh could otherwise serve stale binaries
+            module = cupy.RawModule(code=module_source(fname), options=options,
+                                    name_expressions=exprs)
+            self._modules.append(module)
             for k in names:
                 for t, dt in (("float", np.float32), ("double", np.float64)):
                     self._functions[(k, np.dtype(dt))] = (module, f"{k}<{t}>")
@@ -67,8 +80,9 @@ class CupyLauncher:
         return self.xp.ascontiguousarray(self.xp.asarray(a))
 
     def launch(self, name, dtype, grid, block, args):
-        module, expr = self._functions[(name, np.dtype(dtype))]
-        fn = module.get_function(expr)
+        fn = self._functions[(name, np.dtype(dtype))]
+        if isinstance(fn, tuple):  # first launch: look the function up once
+            fn = self._functions[(name, np.dtype(dtype))] = fn[0].get_function(fn[1])
         scalar = np.dtype(dtype).type
         conv = []
         for a in args:
@@ -153,6 +167,10 @@ class RawBackend:
         if arrays is None:
             return None
         _check_count(len(arrays))
+        for a in arrays:  # the kernels index densely: a strided view would be read wrongly
+            if not a.flags.c_contiguous:
+                raise ValueError(f"a state of shape {a.shape} is not C-contiguous; the GPU "
+                                 "kernels need C-contiguous arrays")
         host = np.array([self.launcher.ptr(a) for a in arrays], dtype=np.uint64)
         return self.launcher.to_device(host)
 
@@ -469,12 +487,12 @@ def compile_with_nvrtc(arch="compute_90", geometry=None):
     from cuda.pathfinder import load_nvidia_dynamic_lib
     lib = ctypes.CDLL(load_nvidia_dynamic_lib("nvrtc").abs_path)
     geometry = GPU_GEOMETRY if geometry is None else geometry
-    opts = [b"-std=c++17", f"-I{kernel_dir()}".encode(), f"--gpu-architecture={arch}".encode()]
+    # CuPy's own additions: -ftz=true (float32 subnormals flush to zero on the GPU)
+    opts = [b"-std=c++17", f"--gpu-architecture={arch}".encode(), b"-ftz=true"]
     opts += [f.encode() for f in geometry_flags(geometry)]
     logs = {}
     for fname, names in KERNEL_FILES.items():
-        with open(f"{kernel_dir()}/{fname}", "rb") as fh:
-            code = fh.read()
+        code = module_source(fname).encode()
         prog = ctypes.c_void_p()
         if lib.nvrtcCreateProgram(ctypes.byref(prog), code, fname.encode(), 0, None, None):
             raise RuntimeError(f"nvrtcCreateProgram failed for {fname}")

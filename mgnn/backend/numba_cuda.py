@@ -339,10 +339,9 @@ class CudaOps(GenericOps):
         Returns
         -------
         r : array like ``phi`` (new)
-        float, or a 0-d float64 CuPy array on a GPU
-            ||r||^2, accumulated in float64; on a GPU it stays on the device (no
-            synchronisation per C-point: the solver sums the shares and reads the total once per
-            cycle).
+        float
+            ||r||^2, accumulated in float64 (a synchronisation; the solver uses the batched
+            RawKernel form, whose norm stays on the device until the cycle's total is read).
         """
         arrays = (phi, u) if g is None else (phi, u, g)
         if not _kernel_ok(*arrays):
@@ -350,7 +349,7 @@ class CudaOps(GenericOps):
         r = _xp(phi).empty_like(phi)
         gf = _dev(phi if g is None else g)
         total = _reduce(_residual_kernel, phi.size, phi, _dev(phi), _dev(u), gf, g is not None,
-                        _dev(r), lazy=True)
+                        _dev(r))
         return r, total
 
     def fas_rhs(self, r, v, phi_c):

@@ -2,7 +2,8 @@
 failure handling and per-phase timers. Serial runs (``comm=None``) never import mpi4py.
 """
 from .halo import Halo, SerialHalo, make_halo
-from .device import DeviceHalo, cuda_aware_mpi, make_device_halo  # noqa: F401 (re-export)
+from .device import (DeviceHalo, cuda_aware_mpi, make_device_halo,  # noqa: F401 (re-export)
+                     select_device)
 from .layout import Layout, abort_on_error, agree_on_errors
 
 __all__ = ["Halo", "SerialHalo", "make_halo", "Layout", "abort_on_error",

@@ -314,3 +314,18 @@ def make_device_halo(comm, reduce_comm=None, xp=None, cuda_aware=None):
         halo.timers["staging"] = 0.0
         return halo
     return DeviceHalo(make_halo(comm, reduce_comm), cuda_aware=cuda_aware, xp=xp)
+
+
+def select_device(comm):
+    """Make the GPU ``node-local rank mod device count`` current for this rank (collective over
+    ``comm``) and return its index: ranks of one node spread over its GPUs, several ranks share a
+    GPU when there are more ranks than GPUs."""
+    import cupy
+    from mpi4py import MPI
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        index = local.Get_rank() % cupy.cuda.runtime.getDeviceCount()
+    finally:
+        local.Free()
+    cupy.cuda.Device(index).use()
+    return index

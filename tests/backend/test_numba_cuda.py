@@ -103,7 +103,7 @@ def test_full_blocks_on_the_gpu(rng):
             r_ref, _ = GenericOps().residual(phi, u, g)
             np.testing.assert_allclose(cupy.asnumpy(r), r_ref, rtol=rtol, atol=0)
             r64 = r_ref.astype(np.float64)
-            np.testing.assert_allclose(n2, float(r64 @ r64), rtol=1e-12)
+            np.testing.assert_allclose(float(n2), float(r64 @ r64), rtol=1e-12)
 
             p0 = rng.standard_normal(n).astype(dtype)
             ref = Adam(p0.copy(), lr=0.01, weight_decay=0.1)

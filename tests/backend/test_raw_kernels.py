@@ -31,6 +31,7 @@ def test_nvrtc_compiles_every_kernel_as_cupy_will():
 
 def test_nvrtc_check_fails_on_an_error(tmp_path, monkeypatch):
     import mgnn.backend.cupy_raw as raw
+    (tmp_path / "common.cuh").write_text("")
     (tmp_path / "bad.cu").write_text(
         "#include <vector>\ntemplate <typename T> __global__ void bad(T *x) { x[0] = 1; }\n")
     monkeypatch.setattr(raw, "KERNEL_FILES", {"bad.cu": ("bad",)})

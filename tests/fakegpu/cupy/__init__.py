@@ -187,8 +187,17 @@ class RawModule:
         return launch
 
 
+class _Device:
+    def __init__(self, index=0):
+        self.id = index
+
+    def use(self):
+        calls["device"] = self.id
+
+
 cuda = types.SimpleNamespace(
     is_available=lambda: True,
     get_current_stream=lambda: _STREAM,
     runtime=types.SimpleNamespace(getDeviceCount=lambda: 1),
+    Device=_Device,
 )
