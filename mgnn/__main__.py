@@ -238,7 +238,9 @@ def _print_timings(comm, lp, timings, train_s, log):
         return
     log("timings (s, whole training; steps = layer step kernels, vector = MGRIT FAS vector "
         "kernels, staging = device<->host copies for MPI, other = Python, loss, optimizer, "
-        f"evaluation); MPI path: {lp.message_path()}")
+        f"evaluation); MPI path: {lp.message_path()}"
+        + ("; on the GPU, kernel columns time the (asynchronous) launches and waits land in "
+           "halo wait / other" if lp.xp is not np else ""))
     log(f"{'rank':>5} {'layer':>5} {'replica':>7} {'steps':>9} {'vector':>9} {'halo wait':>10} "
         f"{'allreduce':>10} {'staging':>9} {'other':>9} {'total':>9}")
     for r in rows:
