@@ -26,14 +26,18 @@ __device__ __forceinline__ T conv_z(const T *u, const T *K, const T *b, int n, i
 template <typename T>
 __device__ __forceinline__ void conv_forward_body(const T *u, const T *K, const T *b, T *y,
                                                   T *deriv, int B, int Ci, int Co, int H, int W,
-                                                  T h, int act, int residual, int start,
-                                                  int stride) {
+                                                  T h, int act, int residual, const T *g,
+                                                  int start, int stride) {
     const int total = B * Co * H * W;
     for (int e = start; e < total; e += stride) {
         const int xw = e % W, yh = (e / W) % H, o = (e / (W * H)) % Co, n = e / (W * H * Co);
         T s, ds;
         activate(conv_z(u, K, b, n, o, yh, xw, Ci, H, W), act, s, ds);
-        if (y) y[e] = (residual ? u[e] : T(0)) + h * s;
+        if (y) {
+            T v = (residual ? u[e] : T(0)) + h * s;
+            if (g) v += g[e];
+            y[e] = v;
+        }
         if (deriv) deriv[e] = ds;
     }
 }
@@ -43,19 +47,21 @@ __device__ __forceinline__ void conv_forward_body(const T *u, const T *K, const 
 template <typename T>
 __global__ void conv_forward(const T *u, const T *K, const T *b, T *y, T *deriv, int B, int Ci,
                              int Co, int H, int W, T h, int act, int residual) {
-    conv_forward_body(u, K, b, y, deriv, B, Ci, Co, H, W, h, act, residual,
+    conv_forward_body(u, K, b, y, deriv, B, Ci, Co, H, W, h, act, residual, (const T *)nullptr,
                       blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x);
 }
 
 // Interval-batched residual forward: problem p = blockIdx.y steps us[p] with layer layers[p] of
-// K (L, C, C, 3, 3) and b (L, C); ys or derivs may be null (not both).
+// K (L, C, C, 3, 3) and b (L, C); ys or derivs may be null (not both); gs (may be null) is
+// added to each ys[p] (the FAS rhs).
 template <typename T>
 __global__ void conv_forward_batched(const T *const *us, const T *K, const T *b, T *const *ys,
-                                     T *const *derivs, const int *layers, int B, int C, int H,
-                                     int W, T h, int act) {
+                                     T *const *derivs, const T *const *gs, const int *layers,
+                                     int B, int C, int H, int W, T h, int act) {
     const int p = blockIdx.y, l = layers[p];
     conv_forward_body(us[p], K + (long long)l * C * C * 9, b + (long long)l * C,
-                      ys ? ys[p] : (T *)nullptr, derivs ? derivs[p] : (T *)nullptr, B, C, C, H, W, h, act, 1,
+                      ys ? ys[p] : (T *)nullptr, derivs ? derivs[p] : (T *)nullptr, B, C, C, H,
+                      W, h, act, 1, gs ? gs[p] : (const T *)nullptr,
                       blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x);
 }
 
@@ -63,7 +69,8 @@ __global__ void conv_forward_batched(const T *const *us, const T *K, const T *b,
 template <typename T>
 __device__ __forceinline__ void conv_vjp_input_body(const T *gy, const T *deriv, const T *K,
                                                     T *gx, int B, int Ci, int Co, int H, int W,
-                                                    T h, int residual, int start, int stride) {
+                                                    T h, int residual, const T *g, int start,
+                                                    int stride) {
     const int total = B * Ci * H * W;
     for (int e = start; e < total; e += stride) {
         const int xw = e % W, yh = (e / W) % H, c = (e / (W * H)) % Ci, n = e / (W * H * Ci);
@@ -82,7 +89,9 @@ __device__ __forceinline__ void conv_vjp_input_body(const T *gy, const T *deriv,
                 }
             }
         }
-        gx[e] = (residual ? gy[e] : T(0)) + h * acc;
+        T v = (residual ? gy[e] : T(0)) + h * acc;
+        if (g) v += g[e];
+        gx[e] = v;
     }
 }
 
@@ -90,19 +99,20 @@ __device__ __forceinline__ void conv_vjp_input_body(const T *gy, const T *deriv,
 template <typename T>
 __global__ void conv_vjp_input(const T *gy, const T *deriv, const T *K, T *gx, int B, int Ci,
                                int Co, int H, int W, T h, int residual) {
-    conv_vjp_input_body(gy, deriv, K, gx, B, Ci, Co, H, W, h, residual,
+    conv_vjp_input_body(gy, deriv, K, gx, B, Ci, Co, H, W, h, residual, (const T *)nullptr,
                         blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x);
 }
 
-// Interval-batched state vjp: gxs[p] = gys[p] + h conv^T(derivs[p] * gys[p], K_l), l = layers[p].
+// Interval-batched state vjp: gxs[p] = gys[p] + h conv^T(derivs[p] * gys[p], K_l) [+ gs[p]],
+// l = layers[p]; gs may be null.
 template <typename T>
 __global__ void conv_vjp_input_batched(const T *const *gys, const T *const *derivs, const T *K,
-                                       T *const *gxs, const int *layers, int B, int C, int H,
-                                       int W, T h) {
+                                       T *const *gxs, const T *const *gs, const int *layers,
+                                       int B, int C, int H, int W, T h) {
     const int p = blockIdx.y;
     conv_vjp_input_body(gys[p], derivs[p], K + (long long)layers[p] * C * C * 9, gxs[p], B, C, C,
-                        H, W, h, 1, blockIdx.x * blockDim.x + threadIdx.x,
-                        gridDim.x * blockDim.x);
+                        H, W, h, 1, gs ? gs[p] : (const T *)nullptr,
+                        blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x);
 }
 
 // ------------------------------------------------------------------------------ kernel grad

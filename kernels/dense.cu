@@ -65,16 +65,21 @@ struct WeightT {  // B(k, n) = W[n, k]: the transposed weight (K contiguous)
 };
 
 template <typename T>
-struct ForwardStore {  // y = [x +] h sigma(z + b); deriv = sigma'(z + b); either may be null
+struct ForwardStore {  // y = [x +] h sigma(z + b) [+ g]; deriv = sigma'(z + b); y, deriv, g may be null
     const T *x, *b;
     T *y, *deriv;
     int O;
     T h;
     int act, residual;
+    const T *g;
     __device__ void operator()(int m, int n, T z) const {
         T s, ds;
         activate(z + b[n], act, s, ds);
-        if (y) y[m * O + n] = (residual ? x[m * O + n] : T(0)) + h * s;
+        if (y) {
+            T v = (residual ? x[m * O + n] : T(0)) + h * s;
+            if (g) v += g[m * O + n];
+            y[m * O + n] = v;
+        }
         if (deriv) deriv[m * O + n] = ds;
     }
 };
@@ -82,30 +87,31 @@ struct ForwardStore {  // y = [x +] h sigma(z + b); deriv = sigma'(z + b); eithe
 template <typename T>
 __device__ __forceinline__ void dense_forward_body(const T *x, const T *W, const T *b, T *y,
                                                    T *deriv, int B, int I, int O, T h, int act,
-                                                   int residual) {
+                                                   int residual, const T *g) {
     gemm_tile<T, true, true>(B, O, I, RowLoad<T>{x, I}, WeightT<T>{W, I},
-                             ForwardStore<T>{x, b, y, deriv, O, h, act, residual});
+                             ForwardStore<T>{x, b, y, deriv, O, h, act, residual, g});
 }
 
 // y (B, O) = [x +] h sigma(x W^T + b); deriv (B, O) = sigma'(x W^T + b). y or deriv may be null.
 template <typename T>
 __global__ void dense_forward(const T *x, const T *W, const T *b, T *y, T *deriv, int B, int I,
                               int O, T h, int act, int residual) {
-    dense_forward_body(x, W, b, y, deriv, B, I, O, h, act, residual);
+    dense_forward_body(x, W, b, y, deriv, B, I, O, h, act, residual, (const T *)nullptr);
 }
 
 // Interval-batched residual forward: problem p = blockIdx.z steps state xs[p] with layer
 // layers[p] of W (L, w, w) and b (L, w): ys[p] = xs[p] + h sigma(xs[p] W_l^T + b_l), and
 // derivs[p] = sigma'. Either pointer array may be null (not both): then nothing of that kind is
-// written (ys null: the sigma' of many layers at once).
+// written (ys null: the sigma' of many layers at once). gs (may be null): a right-hand side
+// added to each ys[p] in the epilogue (MGRIT's FAS rhs: u_j = Phi(u_{j-1}) + g_j, one launch).
 template <typename T>
 __global__ void dense_forward_batched(const T *const *xs, const T *W, const T *b, T *const *ys,
-                                      T *const *derivs, const int *layers, int B, int w, T h,
-                                      int act) {
+                                      T *const *derivs, const T *const *gs, const int *layers,
+                                      int B, int w, T h, int act) {
     const int p = blockIdx.z, l = layers[p];
     dense_forward_body(xs[p], W + (long long)l * w * w, b + (long long)l * w,
                        ys ? ys[p] : (T *)nullptr, derivs ? derivs[p] : (T *)nullptr, B, w, w, h,
-                       act, 1);
+                       act, 1, gs ? gs[p] : (const T *)nullptr);
 }
 
 // ---------------------------------------------------------------------------------- state vjp
@@ -124,40 +130,44 @@ struct WeightRows {  // B(k, n) = W[k, n] (N contiguous)
 };
 
 template <typename T>
-struct VjpInputStore {  // gx = [gy +] h c
+struct VjpInputStore {  // gx = [gy +] h c [+ g]; g may be null
     const T *gy;
     T *gx;
     int I;
     T h;
     int residual;
+    const T *g;
     __device__ void operator()(int m, int n, T c) const {
-        gx[m * I + n] = (residual ? gy[m * I + n] : T(0)) + h * c;
+        T v = (residual ? gy[m * I + n] : T(0)) + h * c;
+        if (g) v += g[m * I + n];
+        gx[m * I + n] = v;
     }
 };
 
 template <typename T>
 __device__ __forceinline__ void dense_vjp_input_body(const T *gy, const T *deriv, const T *W,
                                                      T *gx, int B, int I, int O, T h,
-                                                     int residual) {
+                                                     int residual, const T *g) {
     gemm_tile<T, true, false>(B, I, O, ScaledCotangent<T>{gy, deriv, O}, WeightRows<T>{W, I},
-                              VjpInputStore<T>{gy, gx, I, h, residual});
+                              VjpInputStore<T>{gy, gx, I, h, residual, g});
 }
 
 // gx (B, I) = [gy +] h (deriv * gy) W, with gy and deriv (B, O), W (O, I).
 template <typename T>
 __global__ void dense_vjp_input(const T *gy, const T *deriv, const T *W, T *gx, int B, int I,
                                 int O, T h, int residual) {
-    dense_vjp_input_body(gy, deriv, W, gx, B, I, O, h, residual);
+    dense_vjp_input_body(gy, deriv, W, gx, B, I, O, h, residual, (const T *)nullptr);
 }
 
-// Interval-batched state vjp: gxs[p] = gys[p] + h (derivs[p] * gys[p]) W_l, l = layers[p].
+// Interval-batched state vjp: gxs[p] = gys[p] + h (derivs[p] * gys[p]) W_l [+ gs[p]],
+// l = layers[p]; gs may be null.
 template <typename T>
 __global__ void dense_vjp_input_batched(const T *const *gys, const T *const *derivs,
-                                        const T *W, T *const *gxs, const int *layers, int B,
-                                        int w, T h) {
+                                        const T *W, T *const *gxs, const T *const *gs,
+                                        const int *layers, int B, int w, T h) {
     const int p = blockIdx.z;
     dense_vjp_input_body(gys[p], derivs[p], W + (long long)layers[p] * w * w, gxs[p], B, w, w,
-                         h, 1);
+                         h, 1, gs ? gs[p] : (const T *)nullptr);
 }
 
 // ------------------------------------------------------------------------------ parameter vjp

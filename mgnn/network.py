@@ -180,12 +180,13 @@ class ForwardPropagator:
         self.W, self.b = steps["weight"], steps["bias"]
         self.h, self.dtype = model.t_final / model.n_layers, model.dtype
         self.batched = bool(getattr(bk, "batched_relaxation", False))
+        self.fused_rhs = True  # step_batch adds the FAS rhs in the kernel's epilogue
 
-    def step_batch(self, us, starts, stops, level):
-        """[step(us[p], starts[p], stops[p], level)] in one batched kernel call (one level: every
-        stop - start is the same)."""
+    def step_batch(self, us, starts, stops, level, rhs=None):
+        """[step(us[p], starts[p], stops[p], level) (+ rhs[p])] in one batched kernel call (one
+        level: every stop - start is the same); the rhs is added in the kernel's epilogue."""
         h = self.dtype.type((stops[0] - starts[0]) * self.h)
-        return self.kind.forward_batched(self.W, self.b, us, starts, h, self.bk)
+        return self.kind.forward_batched(self.W, self.b, us, starts, h, self.bk, rhs)
 
     def step(self, u, start, stop, level):
         """State at fine index ``stop`` from ``u`` at ``start``: u + (stop-start) h F(u; theta_start)."""
@@ -217,16 +218,17 @@ class AdjointPropagator:
         self.N, self.h, self.dtype = model.n_layers, model.t_final / model.n_layers, model.dtype
         self.U, self.D = states, derivs
         self.batched = bool(getattr(bk, "batched_relaxation", False))
+        self.fused_rhs = True
 
-    def step_batch(self, lams, starts, stops, level):
-        """[step(lams[p], starts[p], stops[p], level)] in one batched kernel call."""
+    def step_batch(self, lams, starts, stops, level, rhs=None):
+        """[step(lams[p], starts[p], stops[p], level) (+ rhs[p])] in one batched kernel call."""
         h = self.dtype.type((stops[0] - starts[0]) * self.h)
         layers = [self.N - stop for stop in stops]
         derivs = [self.D[n] for n in layers]
         if any(d is None for d in derivs):  # sigma' not stored: recompute from the states
             derivs = [self.kind.deriv(self.W[n], self.b[n], self.U[n], self.bk) if d is None
                       else d for n, d in zip(layers, derivs)]
-        return self.kind.vjp_state_batched(self.W, lams, derivs, layers, h, self.bk)
+        return self.kind.vjp_state_batched(self.W, lams, derivs, layers, h, self.bk, rhs)
 
     def step(self, lam, start, stop, level):
         """Adjoint at reversed index ``stop`` from ``lam`` at reversed index ``start``."""

@@ -5,9 +5,10 @@ kernels (batching gains nothing on a CPU; the GPU backend launches each batch at
 export them. For a kind ``k`` in ('dense', 'conv'), with W the stacked parameters of every layer
 (leading axis L) and ``layers[p]`` the layer of state p:
 
-* ``k_forward_batched(xs, W, b, layers, h, act, store_deriv) -> (ys, derivs or None)``,
-  ``ys[p] = xs[p] + h sigma(z_p)``, ``derivs[p] = sigma'(z_p)`` (new arrays);
-* ``k_vjp_input_batched(gys, derivs, W, layers, h) -> [gys[p] + h J_p^T gys[p]]``;
+* ``k_forward_batched(xs, W, b, layers, h, act, store_deriv, gs=None) -> (ys, derivs or None)``,
+  ``ys[p] = xs[p] + h sigma(z_p) [+ gs[p]]``, ``derivs[p] = sigma'(z_p)`` (new arrays);
+* ``k_vjp_input_batched(gys, derivs, W, layers, h, gs=None) -> [gys[p] + h J_p^T gys[p]
+  [+ gs[p]]]``;
 * ``k_deriv_batched(xs, W, b, layers, act) -> [sigma'(z_p)]``;
 * ``k_vjp_params_batched(gys, derivs, xs, layers, h, gW, gb)``: in place,
   ``(gW[l], gb[l]) = k_vjp_params(gys[p], derivs[p], xs[p], h)`` for l = layers[p] (distinct).
@@ -22,19 +23,31 @@ def batched_kernels(bk):
     return out
 
 
+def _plus(ys, gs):
+    """ys[p] += gs[p] in place (the ys are new arrays); ys."""
+    if gs is not None:
+        for y, g in zip(ys, gs):
+            y += g
+    return ys
+
+
 def _kind(bk, kind):
     def single(name):
         return getattr(bk, f"{kind}_{name}")
 
-    def forward_batched(xs, W, b, layers, h, act, store_deriv):
+    def forward_batched(xs, W, b, layers, h, act, store_deriv, gs=None):
         if store_deriv:
             outs = [single("forward_deriv")(x, W[l], b[l], h, act, True)
                     for x, l in zip(xs, layers)]
-            return [y for y, _ in outs], [d for _, d in outs]
-        return [single("forward")(x, W[l], b[l], h, act, True) for x, l in zip(xs, layers)], None
+            ys, ds = [y for y, _ in outs], [d for _, d in outs]
+        else:
+            ys = [single("forward")(x, W[l], b[l], h, act, True) for x, l in zip(xs, layers)]
+            ds = None
+        return _plus(ys, gs), ds
 
-    def vjp_input_batched(gys, derivs, W, layers, h):
-        return [single("vjp_input")(g, d, W[l], h, True) for g, d, l in zip(gys, derivs, layers)]
+    def vjp_input_batched(gys, derivs, W, layers, h, gs=None):
+        return _plus([single("vjp_input")(g, d, W[l], h, True)
+                      for g, d, l in zip(gys, derivs, layers)], gs)
 
     def deriv_batched(xs, W, b, layers, act):
         return [single("deriv")(x, W[l], b[l], act) for x, l in zip(xs, layers)]

@@ -244,24 +244,25 @@ class RawBackend:
             lam = self.dense_vjp_input(lam, D[n], W[n], h, True)
         return lam
 
-    def dense_forward_batched(self, xs, W, b, layers, h, act, store_deriv):
-        """One launch for len(xs) residual steps: ys[p] = xs[p] + h sigma(xs[p] W_l^T + b_l),
-        l = layers[p]; returns (ys, derivs or None), lists of new (B, w) arrays."""
+    def dense_forward_batched(self, xs, W, b, layers, h, act, store_deriv, gs=None):
+        """One launch for len(xs) residual steps: ys[p] = xs[p] + h sigma(xs[p] W_l^T + b_l)
+        [+ gs[p]], l = layers[p]; returns (ys, derivs or None), lists of new (B, w) arrays."""
         B, w = xs[0].shape
         dt = xs[0].dtype
         ys, ptr_y = self._outputs(len(xs), (B, w), dt)
         ds, ptr_d = self._outputs(len(xs), (B, w), dt) if store_deriv else (None, None)
         self._gemm("dense_forward_batched", B, w, len(xs), dt, self._pointers(xs), W, b, ptr_y,
-                   ptr_d, self._layers(layers), B, w, self._h(h, dt), act)
+                   ptr_d, self._pointers(gs), self._layers(layers), B, w, self._h(h, dt), act)
         return ys, ds
 
-    def dense_vjp_input_batched(self, gys, derivs, W, layers, h):
-        """One launch for len(gys) state vjps: gys[p] + h (derivs[p] gys[p]) W_l."""
+    def dense_vjp_input_batched(self, gys, derivs, W, layers, h, gs=None):
+        """One launch for len(gys) state vjps: gys[p] + h (derivs[p] gys[p]) W_l [+ gs[p]]."""
         B, w = gys[0].shape
         dt = gys[0].dtype
         gxs, ptr_gx = self._outputs(len(gys), (B, w), dt)
         self._gemm("dense_vjp_input_batched", B, w, len(gys), dt, self._pointers(gys),
-                   self._pointers(derivs), W, ptr_gx, self._layers(layers), B, w, self._h(h, dt))
+                   self._pointers(derivs), W, ptr_gx, self._pointers(gs), self._layers(layers), B,
+                   w, self._h(h, dt))
         return gxs
 
     def dense_deriv_batched(self, xs, W, b, layers, act):
@@ -272,7 +273,7 @@ class RawBackend:
         dt = xs[0].dtype
         ds, ptr_d = self._outputs(len(xs), (B, w), dt)
         self._gemm("dense_forward_batched", B, w, len(xs), dt, self._pointers(xs), W, b, None,
-                   ptr_d, self._layers(layers), B, w, self._h(1.0, dt), act)
+                   ptr_d, None, self._layers(layers), B, w, self._h(1.0, dt), act)
         return ds
 
     def dense_vjp_params_batched(self, gys, derivs, xs, layers, h, gW, gb):
@@ -338,25 +339,26 @@ class RawBackend:
         return (self.conv_vjp_input(gy, deriv, K, h, residual),
                 *self.conv_vjp_params(gy, deriv, x, h))
 
-    def conv_forward_batched(self, xs, K, b, layers, h, act, store_deriv):
-        """One launch for len(xs) residual conv steps with layers ``layers``; (ys, derivs|None)."""
+    def conv_forward_batched(self, xs, K, b, layers, h, act, store_deriv, gs=None):
+        """One launch for len(xs) residual conv steps with layers ``layers`` [+ gs[p]];
+        (ys, derivs|None)."""
         B, C, H, Wd = xs[0].shape
         dt = xs[0].dtype
         ys, ptr_y = self._outputs(len(xs), xs[0].shape, dt)
         ds, ptr_d = self._outputs(len(xs), xs[0].shape, dt) if store_deriv else (None, None)
         self._elementwise("conv_forward_batched", B * C * H * Wd, dt, self._pointers(xs), K, b,
-                          ptr_y, ptr_d, self._layers(layers), B, C, H, Wd, self._h(h, dt), act,
-                          count=len(xs))
+                          ptr_y, ptr_d, self._pointers(gs), self._layers(layers), B, C, H, Wd,
+                          self._h(h, dt), act, count=len(xs))
         return ys, ds
 
-    def conv_vjp_input_batched(self, gys, derivs, K, layers, h):
-        """One launch for len(gys) residual conv state vjps."""
+    def conv_vjp_input_batched(self, gys, derivs, K, layers, h, gs=None):
+        """One launch for len(gys) residual conv state vjps [+ gs[p]]."""
         B, C, H, Wd = gys[0].shape
         dt = gys[0].dtype
         gxs, ptr_gx = self._outputs(len(gys), gys[0].shape, dt)
         self._elementwise("conv_vjp_input_batched", B * C * H * Wd, dt, self._pointers(gys),
-                          self._pointers(derivs), K, ptr_gx, self._layers(layers), B, C, H, Wd,
-                          self._h(h, dt), count=len(gys))
+                          self._pointers(derivs), K, ptr_gx, self._pointers(gs),
+                          self._layers(layers), B, C, H, Wd, self._h(h, dt), count=len(gys))
         return gxs
 
     def conv_deriv_batched(self, xs, K, b, layers, act):
@@ -367,8 +369,8 @@ class RawBackend:
         dt = xs[0].dtype
         ds, ptr_d = self._outputs(len(xs), xs[0].shape, dt)
         self._elementwise("conv_forward_batched", B * C * H * Wd, dt, self._pointers(xs), K, b,
-                          None, ptr_d, self._layers(layers), B, C, H, Wd, self._h(1.0, dt), act,
-                          count=len(xs))
+                          None, ptr_d, None, self._layers(layers), B, C, H, Wd, self._h(1.0, dt),
+                          act, count=len(xs))
         return ds
 
     def conv_vjp_params_batched(self, gys, derivs, xs, layers, h, gK, gb):

@@ -40,15 +40,15 @@ class _StepKind:
             deriv = self.deriv(W, b, u, bk)
         return getattr(bk, self._vjp_input)(lam, deriv, W, h, True)
 
-    def forward_batched(self, W, b, us, layers, h, bk):
-        """[us[p] + h F(us[p]; W[l], b[l]) for l = layers[p]] in one batched kernel call; W and b
-        hold every layer (leading axis)."""
-        return getattr(bk, self._fwd_batched)(us, W, b, layers, h, self.act, False)[0]
+    def forward_batched(self, W, b, us, layers, h, bk, rhs=None):
+        """[us[p] + h F(us[p]; W[l], b[l]) (+ rhs[p]) for l = layers[p]] in one batched kernel
+        call; W and b hold every layer (leading axis)."""
+        return getattr(bk, self._fwd_batched)(us, W, b, layers, h, self.act, False, rhs)[0]
 
-    def vjp_state_batched(self, W, lams, derivs, layers, h, bk):
-        """[lams[p] + h J_l^T lams[p]] for l = layers[p], from sigma' ``derivs[p]`` at the
-        states of those layers, in one batched kernel call."""
-        return getattr(bk, self._vjp_input_batched)(lams, derivs, W, layers, h)
+    def vjp_state_batched(self, W, lams, derivs, layers, h, bk, rhs=None):
+        """[lams[p] + h J_l^T lams[p] (+ rhs[p])] for l = layers[p], from sigma' ``derivs[p]``
+        at the states of those layers, in one batched kernel call."""
+        return getattr(bk, self._vjp_input_batched)(lams, derivs, W, layers, h, rhs)
 
     def deriv_batched(self, W, b, us, layers, bk):
         """[sigma'(z) of layer layers[p] at state us[p]] in one batched kernel call."""

@@ -107,7 +107,10 @@ class MGRITSolver:
         (a list of the steps of the states ``us``, all of one level): interval-batched
         relaxation, where one call advances every F-interval of this rank by one step, so a
         relaxation sweep costs cf calls instead of one per point (one kernel launch each on a
-        GPU); the residual and FAS right-hand-side steps of a level become one call each.
+        GPU); the residual and FAS right-hand-side steps of a level become one call each. With
+        ``fused_rhs = True``, ``step_batch(us, starts, stops, level, rhs)`` also adds the
+        right-hand sides ``rhs[p]`` (one launch instead of two; single points go through it too
+        when they have a right-hand side).
     n_steps : int
         N (fine indices 0..N).
     options : MGRITOptions
@@ -151,6 +154,7 @@ class MGRITSolver:
         self.fresh = bool(getattr(propagator, "fresh_outputs", False))
         self.batched = bool(getattr(propagator, "batched", False)) and \
             callable(getattr(propagator, "step_batch", None))
+        self.fused_rhs = self.batched and bool(getattr(propagator, "fused_rhs", False))
         if comm is not None and comm.Get_size() > 1:
             comm = comm.Dup()  # private context: MGRIT messages never meet the user's own
         self.comm = comm
@@ -183,15 +187,17 @@ class MGRITSolver:
         self._step_seconds += time.perf_counter() - t0
         return out
 
-    def _phi_batch(self, states, js, lev):
-        """[Phi(states[k]) out of level point js[k]] in one propagator call (or a loop)."""
+    def _phi_batch(self, states, js, lev, rhs=None):
+        """[Phi(states[k]) (+ rhs[k]) out of level point js[k]] in one propagator call (or a
+        loop); ``rhs`` only with a ``fused_rhs`` propagator."""
         if not js:
             return []
-        if not self.batched or len(js) == 1:
+        if not self.batched or (len(js) == 1 and rhs is None):
             return [self._phi(u, j, lev) for u, j in zip(states, js)]
         s = self.levels[lev].s
         t0 = time.perf_counter()
-        out = self.prop.step_batch(states, [j * s for j in js], [(j + 1) * s for j in js], lev)
+        args = (states, [j * s for j in js], [(j + 1) * s for j in js], lev)
+        out = self.prop.step_batch(*args) if rhs is None else self.prop.step_batch(*args, rhs)
         self._step_seconds += time.perf_counter() - t0
         return out
 
@@ -258,6 +264,12 @@ class MGRITSolver:
             else:
                 waves = [[j] for j in points]
             for wave in waves:
+                if G is not None and self.fused_rhs:  # Phi(u) + g in one launch
+                    outs = self._phi_batch([U[j - 1] for j in wave], [j - 1 for j in wave], lev,
+                                           [G[j] for j in wave])
+                    for j, v in zip(wave, outs):
+                        U[j] = v
+                    continue
                 outs = self._phi_batch([U[j - 1] for j in wave], [j - 1 for j in wave], lev)
                 if G is not None:
                     # a propagator that promised new arrays gets the rhs added in place

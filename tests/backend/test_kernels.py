@@ -240,7 +240,16 @@ def test_batched_steps(backend, dtype, act, store, rng):
         assert_close(ys[p], yr, dtype, f"dense y[{p}]")
         if store:
             assert_close(ds[p], dr, dtype, f"dense d[{p}]")
+    rhs = [_rand(rng, (B, w), dtype) for _ in layers]
+    ys_g, _ = bk.dense_forward_batched(xs, W, b, layers, h, act, store, rhs)
+    for p, l in enumerate(layers):
+        assert_close(ys_g[p], REF.dense_forward(xs[p], W[l], b[l], h, act, True) + rhs[p],
+                     dtype, f"dense y+g[{p}]")
     derivs = [REF.dense_deriv(x, W[l], b[l], act) for x, l in zip(xs, layers)]
+    gs_g = bk.dense_vjp_input_batched(xs, derivs, W, layers, h, rhs)
+    for p, l in enumerate(layers):
+        assert_close(gs_g[p], REF.dense_vjp_input(xs[p], derivs[p], W[l], h, True) + rhs[p],
+                     dtype, f"dense vjp+g[{p}]")
     gs = bk.dense_vjp_input_batched(xs, derivs, W, layers, h)
     for p, l in enumerate(layers):
         assert_close(gs[p], REF.dense_vjp_input(xs[p], derivs[p], W[l], h, True), dtype,
@@ -254,7 +263,16 @@ def test_batched_steps(backend, dtype, act, store, rng):
         assert_close(ys[p], yr, dtype, f"conv y[{p}]")
         if store:
             assert_close(ds[p], dr, dtype, f"conv d[{p}]")
+    rhs = [_rand(rng, (2, C, H, Wd), dtype) for _ in layers]
+    ys_g, _ = bk.conv_forward_batched(us, K, cb, layers, h, act, store, rhs)
+    for p, l in enumerate(layers):
+        assert_close(ys_g[p], REF.conv_forward(us[p], K[l], cb[l], h, act, True) + rhs[p],
+                     dtype, f"conv y+g[{p}]")
     derivs = [REF.conv_deriv(u, K[l], cb[l], act) for u, l in zip(us, layers)]
+    gs_g = bk.conv_vjp_input_batched(us, derivs, K, layers, h, rhs)
+    for p, l in enumerate(layers):
+        assert_close(gs_g[p], REF.conv_vjp_input(us[p], derivs[p], K[l], h, True) + rhs[p],
+                     dtype, f"conv vjp+g[{p}]")
     gs = bk.conv_vjp_input_batched(us, derivs, K, layers, h)
     for p, l in enumerate(layers):
         assert_close(gs[p], REF.conv_vjp_input(us[p], derivs[p], K[l], h, True), dtype,

@@ -27,6 +27,16 @@ class Batched(TanhResNet):
         return [TanhResNet.step(self, u, a, b, level) for u, a, b in zip(us, starts, stops)]
 
 
+class BatchedFused(Batched):
+    """Batched with the right-hand side added by step_batch (one call instead of two)."""
+
+    fused_rhs = True
+
+    def step_batch(self, us, starts, stops, level, rhs=None):
+        out = super().step_batch(us, starts, stops, level)
+        return out if rhs is None else [v + g for v, g in zip(out, rhs)]
+
+
 def _resnet(rng, n, w=3):
     return (rng.standard_normal((n, w, w)) * 0.6, rng.standard_normal((n, w)), 1.0 / n)
 
@@ -41,12 +51,13 @@ def test_batched_solve_equals_pointwise(levels, cf, nrelax, skip, cycle, rng):
                         skip_downcycle=skip, cycle=cycle)
     u0 = rng.standard_normal(3)
     plain = MGRITSolver(TanhResNet(*args), n, opts).solve(u0)
-    prop = Batched(*args)
-    batched = MGRITSolver(prop, n, opts).solve(u0)
-    assert max(size for _, size in prop.calls) > 1  # batching really happened
-    np.testing.assert_array_equal(batched.residuals, plain.residuals)
-    for a, b in zip(batched.states, plain.states):
-        np.testing.assert_array_equal(a, b)
+    for cls in (Batched, BatchedFused):
+        prop = cls(*args)
+        batched = MGRITSolver(prop, n, opts).solve(u0)
+        assert max(size for _, size in prop.calls) > 1  # batching really happened
+        np.testing.assert_array_equal(batched.residuals, plain.residuals)
+        for a, b in zip(batched.states, plain.states):
+            np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("cf", [2, 4, 8])
