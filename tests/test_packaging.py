@@ -42,3 +42,17 @@ def test_wheel_ships_kernels(tmp_path):
     mod, kdir = r.stdout.split()
     assert mod.startswith(str(tmp_path / "site"))
     assert kdir == str(tmp_path / "site" / "mgnn" / "kernels")
+
+
+def test_cpu_use_never_imports_gpu_modules():
+    """import mgnn and a CPU training step load neither CuPy nor Numba CUDA (GPU modules load
+    only when a GPU backend is asked for)."""
+    code = ("import sys, numpy as np, mgnn\n"
+            "m = mgnn.dense_resnet(4, 4, 2, 8)\n"
+            "lp = mgnn.LayerParallel(m, mgnn.MGRITOptions(cf=2, max_levels=2, max_iter=1), None)\n"
+            "lp.loss_and_grad(np.ones((3, 4)), np.array([0, 1, 0]))\n"
+            "print([k for k in ('cupy', 'cupyx', 'numba.cuda') if k in sys.modules])")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       cwd=REPO)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "[]"
