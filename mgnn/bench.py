@@ -213,16 +213,17 @@ class CountingLauncher:
 
     def __init__(self):
         import collections
-        import types
         from .backend.cupy_raw import GPU_GEOMETRY
         self.geometry = dict(GPU_GEOMETRY)
-        self.xp = types.SimpleNamespace(**{k: getattr(np, k) for k in dir(np)
-                                           if not k.startswith("_")})
-        self.xp.empty = self._alloc  # no kernel writes: zero-filled keeps the values finite
+        self.xp = self  # numpy, except that ``empty`` is counted and zero-filled
         self.launches = collections.Counter()
         self.pointers = self.allocations = 0
 
-    def _alloc(self, shape, dtype=float):
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+    def empty(self, shape, dtype=float):
+        """Zero-filled (no kernel writes the outputs; zeros keep every value finite)."""
         self.allocations += 1
         return np.zeros(shape, dtype)
 

@@ -468,7 +468,8 @@ class LayerParallel:
             self._solvers[key] = MGRITSolver(prop, m.n_layers, opts, comm=lay.layer_comm,
                                              partition=part, norm_comm=lay.comm,
                                              abort_on_error=False, overlap=self.overlap,
-                                             ops=vector_ops(self.backend), xp=self.xp)
+                                             ops=vector_ops(self.backend),
+                                             xp=None if self.xp is np else self.xp)
         return self._solvers[key]
 
     def _distributed_forward(self, x, opts, guess=None):
@@ -554,15 +555,11 @@ class LayerParallel:
                 self._previous_states = (res.states, batch)
         U = res.states
         D = [None] * N
-        batched = getattr(bk, "batched_relaxation", False)
         t0 = time.perf_counter()
-        if batched:  # one launch for the sigma' of every owned layer
-            for n, d in zip(self.layers, m.step.deriv_batched(W, b, [U[n] for n in self.layers],
-                                                              list(self.layers), bk)):
-                D[n] = d
-        else:
-            for n in self.layers:
-                D[n] = m.step.deriv(W[n], b[n], U[n], bk)
+        # the batched forms: one launch on a GPU, the per-layer loop on a CPU backend
+        owned = list(self.layers)
+        for n, d in zip(owned, m.step.deriv_batched(W, b, [U[n] for n in owned], owned, bk)):
+            D[n] = d
         timings["steps"] += time.perf_counter() - t0
         grads = m.params.zeros_like()
         buckets = _Buckets(lay.data_comm, grads)
@@ -589,24 +586,16 @@ class LayerParallel:
         finish = self._exchange_adjoint_halo(lam, timings)
         gW, gb = grads["steps.weight"], grads["steps.bias"]
         t0 = time.perf_counter()
-        if batched:  # one launch for every layer whose adjoint is here, then the halo's layer
-            ready = [n for n in self.layers if lam[n + 1] is not None]
-            m.step.vjp_params_batched([U[n] for n in ready], m.h, [lam[n + 1] for n in ready],
-                                      [D[n] for n in ready], ready, gW, gb, bk)
-            t1 = time.perf_counter()
-            finish()
-            t0 += time.perf_counter() - t1
-            done = set(ready)
-            rest = [n for n in self.layers if n not in done]
-            m.step.vjp_params_batched([U[n] for n in rest], m.h, [lam[n + 1] for n in rest],
-                                      [D[n] for n in rest], rest, gW, gb, bk)
-        else:
-            for n in self.layers:
-                if lam[n + 1] is None:
-                    t1 = time.perf_counter()
-                    finish()
-                    t0 += time.perf_counter() - t1  # the wait is halo time, not step time
-                gW[n], gb[n] = m.step.vjp_params(U[n], m.h, lam[n + 1], D[n], bk)
+        # every layer whose adjoint is here, then (after the halo) the last layer
+        ready = [n for n in owned if lam[n + 1] is not None]
+        rest = [n for n in owned if lam[n + 1] is None]
+        for group in (ready, rest):
+            if group is rest:
+                t1 = time.perf_counter()
+                finish()
+                t0 += time.perf_counter() - t1  # the wait is halo time, not step time
+            m.step.vjp_params_batched([U[n] for n in group], m.h, [lam[n + 1] for n in group],
+                                      [D[n] for n in group], group, gW, gb, bk)
         timings["steps"] += time.perf_counter() - t0
         finish()
         buckets.start("steps.weight", "steps.bias", self.layers.start, self.layers.stop)

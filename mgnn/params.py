@@ -1,6 +1,8 @@
 """Flat parameter and gradient buffers: named array views into one contiguous 1-D array."""
 import numpy as np
 
+from .backend import is_device_array, to_host
+
 
 class ParamDict(dict):
     """Ordered name -> array, every array a view into the contiguous 1-D buffer :attr:`flat`.
@@ -31,10 +33,9 @@ class ParamDict(dict):
     @property
     def xp(self):
         """The array module of :attr:`flat` (numpy, or cupy for device parameters)."""
-        import sys
-        cp = sys.modules.get("cupy")
-        if cp is not None and isinstance(self.flat, cp.ndarray):
-            return cp
+        if is_device_array(self.flat):
+            import cupy
+            return cupy
         return np
 
     def to(self, xp):
@@ -42,7 +43,7 @@ class ParamDict(dict):
         if xp is self.xp:
             return self
         out = ParamDict.allocate(self.shapes(), self.flat.dtype, xp)
-        out.flat[...] = xp.asarray(self.flat) if xp is not np else _host(self.flat)
+        out.flat[...] = xp.asarray(self.flat) if xp is not np else to_host(self.flat)
         return out
 
     def flat_slice(self, name, first=0, stop=None):
@@ -67,8 +68,3 @@ class ParamDict(dict):
         out = self.zeros_like()
         out.flat[:] = self.flat
         return out
-
-
-def _host(a):
-    get = getattr(a, "get", None)
-    return get() if callable(get) else np.asarray(a)

@@ -131,9 +131,10 @@ class MGRITSolver:
         Overlap halo messages with interior work (default). ``False`` waits for the left halo
         before any local work and sends only after it (the baseline the benchmarks compare with).
     xp : module or None
-        Array module of the states when they live on a GPU (``cupy``): boundary states then go
+        Array module of the states when they live on a GPU (``cupy``; None for host arrays):
+        boundary states then go
         to MPI as device buffers if the MPI library is CUDA-aware, else staged through pinned
-        host buffers (:mod:`mgnn.comm.device`); ``halo.path`` says which. None: host arrays.
+        host buffers (:mod:`mgnn.comm.device`); ``halo.path`` says which.
     abort_on_error : bool
         In a distributed solve, an exception on any rank (a user propagator's included) is
         reported and ends every rank with ``comm.Abort`` instead of leaving the others waiting.
@@ -158,8 +159,7 @@ class MGRITSolver:
         if comm is not None and comm.Get_size() > 1:
             comm = comm.Dup()  # private context: MGRIT messages never meet the user's own
         self.comm = comm
-        import numpy as np
-        self.halo = (make_halo(comm, norm_comm) if xp is None or xp is np else
+        self.halo = (make_halo(comm, norm_comm) if xp is None else
                      make_device_halo(comm, norm_comm, xp=xp))
         if partition is None:
             starts = block_starts(n_steps + 1, self.halo.size, align=o.cf)
@@ -264,16 +264,15 @@ class MGRITSolver:
             else:
                 waves = [[j] for j in points]
             for wave in waves:
-                if G is not None and self.fused_rhs:  # Phi(u) + g in one launch
-                    outs = self._phi_batch([U[j - 1] for j in wave], [j - 1 for j in wave], lev,
-                                           [G[j] for j in wave])
-                    for j, v in zip(wave, outs):
-                        U[j] = v
-                    continue
-                outs = self._phi_batch([U[j - 1] for j in wave], [j - 1 for j in wave], lev)
-                if G is not None:
-                    # a propagator that promised new arrays gets the rhs added in place
-                    outs = ops.add_batch(outs, [G[j] for j in wave], in_place=prop_fresh)
+                prev, starts = [U[j - 1] for j in wave], [j - 1 for j in wave]
+                rhs = None if G is None else [G[j] for j in wave]
+                if rhs is not None and self.fused_rhs:  # Phi(u) + g in one launch
+                    outs = self._phi_batch(prev, starts, lev, rhs)
+                else:
+                    outs = self._phi_batch(prev, starts, lev)
+                    if rhs is not None:
+                        # a propagator that promised new arrays gets the rhs added in place
+                        outs = ops.add_batch(outs, rhs, in_place=prop_fresh)
                 for j, v in zip(wave, outs):
                     U[j] = v
 
