@@ -5,7 +5,7 @@ Public API (DESIGN.md section 6): models (:func:`dense_resnet`, :func:`conv_resn
 """
 from .blocks import gradcheck
 from .data import load_dataset, load_digits, load_mnist, load_synthetic, read_idx
-from .mgrit import MGRITOptions, MGRITResult, MGRITSolver
+from .mgrit import DivergenceError, MGRITOptions, MGRITResult, MGRITSolver
 from .errors import CheckpointError, DataFormatError, GradcheckError, MGNNError
 from .network import LayerParallel, Model, conv_resnet, dense_resnet
 from .optim import SGD, Adam
@@ -17,4 +17,4 @@ __version__ = "0.1.0"
 __all__ = ["MGRITOptions", "MGRITSolver", "MGRITResult", "dense_resnet", "conv_resnet", "Model", "LayerParallel", "ParamDict",
            "SGD", "Adam", "gradcheck", "fit", "save_checkpoint", "load_checkpoint", "read_idx",
            "load_dataset", "load_digits", "load_mnist", "load_synthetic", "MGNNError",
-           "GradcheckError", "DataFormatError", "CheckpointError"]
+           "GradcheckError", "DataFormatError", "CheckpointError", "DivergenceError"]

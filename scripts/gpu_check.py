@@ -390,6 +390,11 @@ def child_env():
     env["PYTHONUNBUFFERED"] = "1"
     env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.pop("NUMBA_ENABLE_CUDASIM", None)  # children see the real device (or none)
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        # GPU machines often run as root with Open MPI, whose mpiexec refuses root without these
+        # (seen on the H200 image: Debian Open MPI 4.1.6); MPICH ignores them
+        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     return env
 
 

@@ -8,6 +8,7 @@ kernels are compiled at their first launch. Host wrappers launch on CuPy's curre
 :data:`THREADS` at call time (tests patch it small so tiny inputs span several blocks).
 """
 import math
+import os
 import sys
 
 import numpy as np
@@ -23,6 +24,31 @@ MAX_BLOCKS = 4096
 _SMEM = 1024
 _SIM = bool(config.ENABLE_CUDASIM)
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def _load_numba_cuda_registries():
+    """Import numba-cuda's NumPy typing registries now, working around numba-cuda <= 0.30 on NumPy >= 2.5.
+
+    numba-cuda 0.30.4 registers ``overload(np.row_stack)`` unconditionally when its typing context
+    first loads (at the first kernel compilation); NumPy 2.5 removed ``np.row_stack``, so every
+    compilation then fails with ``AttributeError`` (seen on the H200 image: numpy 2.5.2,
+    numba-cuda 0.30.4). The alias is lent for the import only and removed again, so NumPy itself
+    is left as it was. No-op under the simulator and where ``np.row_stack`` exists.
+    """
+    if _SIM or hasattr(np, "row_stack"):
+        return
+    np.row_stack = np.vstack
+    try:
+        import numba.cuda.cudaimpl  # noqa: F401 -- loads numba.cuda.np.arrayobj under the alias
+        import numba.cuda.np.arraymath  # noqa: F401 -- and the rest of the target's registries
+    finally:
+        del np.row_stack
+
+
+_load_numba_cuda_registries()
+if "NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS" not in os.environ:
+    # small MGRIT levels launch few blocks by design; numba-cuda would warn at every such launch
+    config.CUDA_LOW_OCCUPANCY_WARNINGS = 0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -53,6 +53,28 @@ def test_import_without_a_gpu_touches_no_device():
     assert proc.stdout.split() == ["256", "False", "cuda", "False"], proc.stdout
 
 
+def test_kernels_compile_on_numpy_without_row_stack():
+    """NumPy 2.5 removed ``np.row_stack``, which numba-cuda 0.30.4 overloads when its typing
+    registries load (seen on the H200 image: every kernel compile failed with AttributeError).
+    Simulate that NumPy, compile a kernel to sm_90 PTX (no GPU needed) and check NumPy is left
+    without the alias afterwards."""
+    code = (
+        "import numpy as np\n"
+        "if hasattr(np, 'row_stack'):\n"
+        "    del np.row_stack\n"
+        "    np.__all__ = [n for n in np.__all__ if n != 'row_stack']\n"
+        "import mgnn.backend.numba_cuda as nc\n"
+        "from numba import cuda, types\n"
+        "a = types.float32[::1]\n"
+        "ptx, _ = cuda.compile_ptx(nc._add_kernel.py_func, (a, a, a), cc=(9, 0))\n"
+        "print('.target sm_90' in ptx, hasattr(np, 'row_stack'))\n")
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert proc.stdout.split() == ["True", "False"], proc.stdout
+
+
 def test_host_arrays_fall_back_to_the_generic_ops(rng):
     """Without the simulator the kernels take CuPy arrays only; NumPy arrays get GenericOps."""
     from mgnn.backend.fas_ops import GenericOps

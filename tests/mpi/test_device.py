@@ -48,7 +48,8 @@ def mpirun(n, *args, timeout=60):
 
 def _json(proc):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    # the last JSON line: Open MPI may forward terminal escapes or warnings after it
+    return json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith(("{", "["))][-1])
 
 
 @pytest.fixture

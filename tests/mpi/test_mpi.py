@@ -32,7 +32,8 @@ def mpirun(n, *args, timeout=300):
 
 def _json(proc):
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    # the last JSON line: Open MPI may forward terminal escapes or warnings after it
+    return json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith(("{", "["))][-1])
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4])
