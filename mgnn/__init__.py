@@ -1,11 +1,14 @@
 """mgnn: layer-parallel training of deep residual networks with MGRIT.
 
-Public API (DESIGN.md section 6): models (:func:`dense_resnet`, :func:`conv_resnet`),
-:class:`LayerParallel`, optimizers, data loaders and :func:`gradcheck`.
+Public API (docs/design.md, "Public API"): models (:func:`dense_resnet`, :func:`conv_resnet`),
+:class:`LayerParallel`, :class:`MGRITSolver` over any propagator, optimizers, data loaders and
+:func:`gradcheck`.
 """
+from . import _numba_cache  # noqa: F401 -- first: sets NUMBA_CACHE_DIR before Numba is imported
 from .blocks import gradcheck
 from .data import load_dataset, load_digits, load_mnist, load_synthetic, read_idx
-from .mgrit import DivergenceError, MGRITOptions, MGRITResult, MGRITSolver
+from .mgrit import (DivergenceError, MGRITOptions, MGRITResult, MGRITSolver,
+                    NotConvergedWarning)
 from .errors import CheckpointError, DataFormatError, GradcheckError, MGNNError
 from .network import LayerParallel, Model, conv_resnet, dense_resnet
 from .optim import SGD, Adam
@@ -17,4 +20,5 @@ __version__ = "0.1.0"
 __all__ = ["MGRITOptions", "MGRITSolver", "MGRITResult", "dense_resnet", "conv_resnet", "Model", "LayerParallel", "ParamDict",
            "SGD", "Adam", "gradcheck", "fit", "save_checkpoint", "load_checkpoint", "read_idx",
            "load_dataset", "load_digits", "load_mnist", "load_synthetic", "MGNNError",
-           "GradcheckError", "DataFormatError", "CheckpointError", "DivergenceError"]
+           "GradcheckError", "DataFormatError", "CheckpointError", "DivergenceError",
+           "NotConvergedWarning"]

@@ -1,6 +1,7 @@
 """Command line: ``python -m mgnn train ...`` and ``python -m mgnn bench kernels``."""
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -20,7 +21,7 @@ def _train_parser(sub):
     a("--t-final", type=float, default=1.0, help="T; step size h = T/N (default 1)")
     a("--activation", choices=["tanh", "relu"], default="tanh")
     a("--epochs", type=int, default=10)
-    a("--batch-size", type=int, default=32)
+    a("--batch-size", type=int, default=32, help="samples per step, over all data replicas")
     a("--lr", type=float, default=None, help="learning rate (default 0.05 sgd, 0.003 adam)")
     a("--optimizer", choices=["sgd", "adam"], default="adam")
     a("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
@@ -43,8 +44,11 @@ def _train_parser(sub):
                         "default 0,1 = F on level 0, FCF below")
     g.add_argument("--fwd-iters", type=int, default=2, help="forward cycles (default 2)")
     g.add_argument("--bwd-iters", type=int, default=1, help="adjoint cycles (default 1)")
-    g.add_argument("--fwd-tol", type=float, default=1e-10, help="forward abs. tolerance")
-    g.add_argument("--bwd-tol", type=float, default=1e-10, help="adjoint abs. tolerance")
+    g.add_argument("--fwd-tol", type=float, default=None,
+                   help="forward abs. tolerance (default 1e-10 in float64, 1.2e-4 in float32; "
+                        "0 = exactly --fwd-iters cycles)")
+    g.add_argument("--bwd-tol", type=float, default=None,
+                   help="adjoint abs. tolerance (as --fwd-tol)")
     g.add_argument("--cycle", choices=["V", "F"], default="V", help="cycle type (default V)")
     g.add_argument("--min-coarse", type=int, default=2, help="least intervals on a coarse level")
     g.add_argument("--skip-downcycle", action="store_true",
@@ -58,7 +62,10 @@ def _train_parser(sub):
     m.add_argument("--timings", action="store_true",
                    help="print per-rank time in step kernels, halo waits, allreduce and other")
     a("--checkpoint", default=None, help="write a checkpoint (.npz) here after every epoch")
-    a("--resume", default=None, help="resume from this checkpoint (same model options)")
+    a("--resume", default=None,
+      help="resume from this checkpoint: same model, data, optimizer, --lr, --batch-size, "
+           "--momentum, --weight-decay, --seed and --warm-start (checked); --epochs is the new "
+           "total; MGRIT, backend and MPI options may change")
     a("--json", action="store_true", help="print one machine-readable summary line on stdout")
     a("--no-progress", action="store_true", help="no progress bar")
     return p
@@ -83,9 +90,11 @@ def _bench_parser(sub):
     p.add_argument("--json", action="store_true", help="kernels/mgrit: JSON lines")
     g = p.add_argument_group("scaling")
     g.add_argument("--ranks", default="1,2,4", help="process counts P (default 1,2,4)")
-    g.add_argument("--n-layers", type=int, default=256, help="residual layers N (default 256)")
+    g.add_argument("--layers", "--n-layers", dest="n_layers", type=int, default=256, metavar="N",
+                   help="residual layers N (default 256)")
     g.add_argument("--width", type=int, default=64, help="state width (default 64)")
-    g.add_argument("--batch", type=int, default=64, help="batch size (default 64)")
+    g.add_argument("--batch-size", "--batch", dest="batch", type=int, default=64, metavar="B",
+                   help="batch size (default 64)")
     g.add_argument("--levels", type=int, default=3, help="MGRIT levels (default 3)")
     g.add_argument("--cf", type=int, default=4, help="coarsening factor (default 4)")
     g.add_argument("--fwd-iters", type=int, default=2, help="forward cycles (default 2)")
@@ -99,25 +108,178 @@ def _bench_parser(sub):
     return p
 
 
+class _CLIError(ValueError):
+    """Bad input found before training; the same one-line message on every rank."""
+
+
+# flag bounds (dest: (least, most)); None: no bound (memory is checked separately)
+_INT_BOUNDS = {"layers": (1, None), "n_layers": (1, None), "width": (1, None),
+               "channels": (1, None), "pool": (1, None), "epochs": (1, 10**7),
+               "batch_size": (1, None), "batch": (1, None), "limit_train": (1, None),
+               "limit_test": (1, None), "seed": (0, 2**63 - 1), "levels": (1, 64),
+               "cf": (2, None), "fwd_iters": (1, 10**4), "bwd_iters": (1, 10**4),
+               "min_coarse": (1, None), "layer_ranks": (1, None), "data_ranks": (1, None),
+               "repeats": (1, 10**6)}
+# (least, least is allowed, most, most is allowed)
+_FLOAT_BOUNDS = {"t_final": (0.0, False, None, False), "lr": (0.0, False, None, False),
+                 "momentum": (0.0, True, 1.0, False), "weight_decay": (0.0, True, None, False),
+                 "fwd_tol": (0.0, True, None, False), "bwd_tol": (0.0, True, None, False)}
+
+
+def _check_args(args, parser):
+    """Bounds of every numeric flag of ``parser`` (ValueError naming the flag and the value)."""
+    for action in parser._actions:
+        flag, v = (action.option_strings or [action.dest])[0], getattr(args, action.dest, None)
+        if v is None:
+            continue
+        if action.dest in _INT_BOUNDS:
+            lo, hi = _INT_BOUNDS[action.dest]
+            if v < lo or (hi is not None and v > hi):
+                bound = f">= {lo}" if v < lo else f"<= {hi}"
+                raise ValueError(f"{flag} must be {bound}, got {v}")
+        elif action.dest in _FLOAT_BOUNDS:
+            lo, lo_ok, hi, hi_ok = _FLOAT_BOUNDS[action.dest]
+            if not np.isfinite(v) or v < lo or (v == lo and not lo_ok) or (
+                    hi is not None and (v > hi or (v == hi and not hi_ok))):
+                want = (f"{'>=' if lo_ok else '>'} {lo}" if hi is None
+                        else f"in [{lo}, {hi}{']' if hi_ok else ')'}")
+                raise ValueError(f"{flag} must be a finite number {want}, got {v}")
+    if getattr(args, "command", None) == "train":
+        _nrelax(args)
+        if args.batch_size < args.data_ranks:
+            raise ValueError(f"--batch-size {args.batch_size} is smaller than --data-ranks "
+                             f"{args.data_ranks}: every data replica needs a sample of each batch")
+
+
+def _nrelax(args):
+    try:
+        nrelax = [int(v) for v in args.nrelax.split(",")]
+    except ValueError:
+        raise ValueError(f"--nrelax must be a comma list of ints, got {args.nrelax!r}") from None
+    if any(not 0 <= n <= 100 for n in nrelax):
+        raise ValueError(f"--nrelax entries must be between 0 and 100, got {args.nrelax!r}")
+    return nrelax
+
+
+def _check_layer_ranks(args, layer_ranks):
+    """Every layer rank must own a layer that starts a coarse interval (said in layers/ranks)."""
+    align = args.cf if args.levels > 1 else 1
+    most = args.layers // align + 1
+    if layer_ranks > most:
+        why = f" with --cf {args.cf}" if align > 1 else ""
+        raise ValueError(f"{layer_ranks} layer ranks but --layers {args.layers}{why} allow at most "
+                         f"{most} (every layer rank needs a layer" +
+                         (f" at a multiple of --cf {args.cf})" if align > 1 else ")"))
+
+
+def _check_memory(args, ds, layer_ranks):
+    """A clear error when parameters, optimizer state and a batch's stored states would not fit
+    in this machine's memory (an estimate, per rank), instead of an allocation failure."""
+    N, B, K = args.layers, args.batch_size, ds.n_classes
+    C, H, W = ds.image_shape
+    if args.model == "dense":
+        w = args.width
+        n_params, state = C * H * W * w + w + N * (w * w + w) + w * K + K, w
+    else:
+        c = args.channels
+        n_params = C * c * 9 + c + N * (c * c * 9 + c) + c * (H // args.pool) * (W // args.pool) * K
+        state = c * H * W
+    itemsize = np.dtype(args.dtype).itemsize
+    need = itemsize * (5 * n_params + 3 * (N // layer_ranks + 2) * B * state)
+    try:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return
+    if need > have:
+        size = (f"--width {args.width}" if args.model == "dense" else
+                f"--channels {args.channels}")
+        raise ValueError(f"--layers {N} with {size} and --batch-size {B} ({args.dtype}) need about "
+                         f"{need / 2**30:.3g} GiB per rank (parameters, optimizer state and the "
+                         f"states of a batch), more than the {have / 2**30:.3g} GiB of this "
+                         "machine")
+
+
+# options that change how a resumed run continues: checked against the checkpoint
+_RESUME_KEYS = ("lr", "batch_size", "momentum", "weight_decay", "data", "limit_train", "seed",
+                "warm_start")
+
+
+def _resume_meta(args, lr):
+    """The checkpoint's 'meta': the options a resumed run must repeat."""
+    meta = {k: getattr(args, k) for k in _RESUME_KEYS}
+    meta["lr"] = lr
+    if args.optimizer != "sgd":
+        meta.pop("momentum")
+    return meta
+
+
+def _check_resume(ckpt, meta):
+    """CheckpointError when an option that changes the continuation differs from the saved one."""
+    from .errors import CheckpointError
+    saved = ckpt["header"].get("meta", {})
+    for k, v in meta.items():
+        if k in saved and saved[k] != v:
+            flag = "--" + k.replace("_", "-")
+            raise CheckpointError(f"--resume {ckpt['path']}: {flag} {v} differs from the "
+                                  f"checkpoint's {saved[k]} (a resumed run continues with the "
+                                  f"saved value: pass {flag} {saved[k]}, or start a new run)")
+
+
+def _agreed(comm, fn, *a):
+    """``fn(*a)``; an input error (on any rank) becomes the same :class:`_CLIError` on every rank:
+    the first failing rank's message (prefixed with its rank when it is not the first rank and
+    other ranks did not fail).
+    Collective under MPI."""
+    try:
+        out, err = fn(*a), None
+    except _INPUT_ERRORS as exc:
+        out, err = None, exc
+    msgs = [None if err is None else _message(err)]
+    if comm is not None:
+        from .comm import agree_on_errors
+        msgs = agree_on_errors(comm, None, msgs[0])  # (an allgather of the messages)
+    failed = [(r, m) for r, m in enumerate(msgs) if m is not None]
+    if failed:
+        r, m = failed[0]
+        raise _CLIError(m if r == 0 or len(failed) == len(msgs) else f"rank {r}: {m}") from err
+    return out
+
+
+_INPUT_ERRORS = (ValueError, TypeError, OSError, MemoryError)
+
+
+def _message(exc):
+    if isinstance(exc, MemoryError):
+        return f"out of memory: {exc}"
+    if isinstance(exc, OSError) and exc.filename and exc.strerror:
+        return f"{exc.filename}: {exc.strerror}"
+    return str(exc)
+
+
 def _mgrit_options(args):
     """(fwd, bwd) MGRITOptions from the CLI, or (None, None) for --levels 1."""
     from .mgrit import MGRITOptions
     if args.levels == 1:
         return None, None
-    try:
-        nrelax = [int(v) for v in args.nrelax.split(",")]
-    except ValueError:
-        raise ValueError(f"--nrelax must be a comma list of ints, got {args.nrelax!r}") from None
-    common = dict(cf=args.cf, max_levels=args.levels, nrelax=nrelax,
+    common = dict(cf=args.cf, max_levels=args.levels, nrelax=_nrelax(args),
                   skip_downcycle=args.skip_downcycle, min_coarse=args.min_coarse,
                   cycle=args.cycle)
-    return (MGRITOptions(tol=args.fwd_tol, max_iter=args.fwd_iters, **common),
-            MGRITOptions(tol=args.bwd_tol, max_iter=args.bwd_iters, **common))
+    out = []
+    for flag, tol, iters in (("--fwd-tol", args.fwd_tol, args.fwd_iters),
+                             ("--bwd-tol", args.bwd_tol, args.bwd_iters)):
+        # a fixed cycle budget whose residuals are printed: no not-converged warnings
+        opts = MGRITOptions(max_iter=iters, warn_not_converged=False, **common,
+                            **({} if tol is None else {"tol": tol}))
+        try:
+            opts.for_dtype(args.dtype)
+        except ValueError as exc:
+            raise ValueError(f"{flag} {tol}: {exc}") from None
+        out.append(opts)
+    return tuple(out)
 
 
 def _mpi_size_from_env():
     """Process count announced by the MPI launcher (MPICH/Hydra, Open MPI), or 1."""
-    import os
     for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS"):
         if os.environ.get(var, "").isdigit():
             return int(os.environ[var])
@@ -146,7 +308,7 @@ def cmd_train(args, comm=None):
     """Run ``train`` (every rank of ``comm``); returns the summary dict."""
     from . import LayerParallel, conv_resnet, dense_resnet, load_dataset
     from .optim import make_optimizer
-    from .train import fit, load_checkpoint, restore
+    from .train import check_checkpoint_path, fit, load_checkpoint, restore, restore_warm_states
 
     out = sys.stderr if args.json else sys.stdout
     rank = 0 if comm is None else comm.Get_rank()
@@ -156,33 +318,52 @@ def cmd_train(args, comm=None):
             print(line, file=out, flush=True)
 
     t_setup = time.perf_counter()
-    ds = load_dataset(args.data, args.data_dir, seed=args.seed, limit_train=args.limit_train,
-                      limit_test=args.limit_test)
-    C, H, W = ds.image_shape
-    if args.model == "dense":
-        model = dense_resnet(C * H * W, args.width, ds.n_classes, args.layers, args.t_final,
-                             args.activation, args.dtype, args.seed)
-    else:
-        model = conv_resnet(C, args.channels, (H, W), ds.n_classes, args.layers, args.t_final,
-                            args.activation, args.dtype, args.seed, pool=args.pool)
+    lr = args.lr if args.lr is not None else (0.05 if args.optimizer == "sgd" else 0.003)
+    meta = _resume_meta(args, lr)
+    layer_ranks = 1 if comm is None else comm.Get_size() // args.data_ranks
+
+    def prepare():  # every input error before any collective or kernel
+        _check_layer_ranks(args, layer_ranks)
+        fwd_bwd = _mgrit_options(args)
+        ds = load_dataset(args.data, args.data_dir, seed=args.seed,
+                          limit_train=args.limit_train, limit_test=args.limit_test)
+        if len(ds.y_train) < args.data_ranks:
+            raise ValueError(f"{len(ds.y_train)} training samples (--limit-train) are fewer than "
+                             f"--data-ranks {args.data_ranks}")
+        _check_memory(args, ds, layer_ranks)
+        C, H, W = ds.image_shape
+        if args.model == "dense":
+            model = dense_resnet(C * H * W, args.width, ds.n_classes, args.layers, args.t_final,
+                                 args.activation, args.dtype, args.seed)
+        else:
+            model = conv_resnet(C, args.channels, (H, W), ds.n_classes, args.layers,
+                                args.t_final, args.activation, args.dtype, args.seed,
+                                pool=args.pool)
+        ckpt = load_checkpoint(args.resume) if args.resume else None
+        if ckpt is not None:
+            _check_resume(ckpt, meta)
+        if args.checkpoint and rank == 0:
+            check_checkpoint_path(args.checkpoint)
+        return fwd_bwd, ds, model, ckpt
+
+    (fwd, bwd), ds, model, ckpt = _agreed(comm, prepare)
     xtr = ds.as_model_input(ds.x_train, args.model, model.dtype)
     xte = ds.as_model_input(ds.x_test, args.model, model.dtype)
-    lr = args.lr if args.lr is not None else (0.05 if args.optimizer == "sgd" else 0.003)
-    fwd, bwd = _mgrit_options(args)
     if args.backend == "cuda" and comm is not None:
         from .backend import gpu_available
         if gpu_available():  # else LayerParallel reports the missing GPU on every rank
             from .comm import select_device
             gpu = select_device(comm)
             log(f"GPUs: rank 0 on device {gpu}; every rank takes node-local rank mod GPU count")
-    lp = LayerParallel(model, fwd=fwd, bwd=bwd, backend=args.backend, warm_start=args.warm_start,
-                       comm=comm, data_ranks=args.data_ranks)
+    lp = _agreed(comm, lambda: LayerParallel(model, fwd=fwd, bwd=bwd, backend=args.backend,
+                                             warm_start=args.warm_start, comm=comm,
+                                             data_ranks=args.data_ranks))
     # after LayerParallel: the cuda backend has moved the parameters to the GPU
     opt = make_optimizer(args.optimizer, model.params.flat, lr, args.momentum, args.weight_decay)
     rng = np.random.default_rng(args.seed)
     start, step = 0, 0
-    if args.resume:
-        start, step = restore(load_checkpoint(args.resume), model, opt, rng)
+    if ckpt is not None:
+        start, step = _agreed(comm, restore, ckpt, model, opt, rng)
         log(f"resumed from {args.resume} at epoch {start}, step {step}")
     n_params = model.params.flat.size
     log(f"mgnn train: {args.model} ResNet, N={args.layers} layers, {n_params} parameters, "
@@ -201,13 +382,15 @@ def cmd_train(args, comm=None):
             f"skip_downcycle {args.skip_downcycle}, warm start {args.warm_start}")
     tj = time.perf_counter()
     lp.loss_and_grad(xtr[:2], ds.y_train[:2])  # compile (or load cached) kernels before timing
+    opt.warm_up()  # the optimizer's update kernel too (Numba CUDA on the GPU)
+    restore_warm_states(lp, ckpt and ckpt["warm"])  # not the compile batch's states
     timings = {}
     log(f"kernels ready in {time.perf_counter() - tj:.1f} s")
     t0 = time.perf_counter()
     hist = fit(lp, opt, xtr, ds.y_train, xte, ds.y_test, epochs=args.epochs,
                batch_size=args.batch_size, rng=rng, start_epoch=start, step=step,
                checkpoint=args.checkpoint, log=log, progress=not args.no_progress and rank == 0,
-               meta={"lr": lr}, timings=timings)
+               meta=meta, timings=timings)
     train_s = time.perf_counter() - t0
     from .train import evaluate
     acc = hist[-1]["test_accuracy"] if hist else evaluate(lp, xte, ds.y_test)
@@ -229,10 +412,12 @@ def cmd_train(args, comm=None):
 
 def _print_timings(comm, lp, timings, train_s, log):
     """Gather every rank's per-phase seconds and print one table on rank 0."""
+    from .comm import describe_threads
     phases = ("steps", "vector", "halo_wait", "allreduce", "staging")
     other = train_s - sum(timings.get(k, 0.0) for k in phases)
     row = (lp.layout.rank, lp.layout.layer_rank, lp.layout.replica,
-           *(timings.get(k, 0.0) for k in phases), other, train_s)
+           *(timings.get(k, 0.0) for k in phases), other, train_s,
+           lp.threads["blas"], lp.threads["numba"])
     rows = [row] if comm is None else comm.gather(row, root=0)
     if rows is None:
         return
@@ -242,10 +427,12 @@ def _print_timings(comm, lp, timings, train_s, log):
         + ("; on the GPU, kernel columns time the (asynchronous) launches and waits land in "
            "halo wait / other" if lp.xp is not np else ""))
     log(f"{'rank':>5} {'layer':>5} {'replica':>7} {'steps':>9} {'vector':>9} {'halo wait':>10} "
-        f"{'allreduce':>10} {'staging':>9} {'other':>9} {'total':>9}")
+        f"{'allreduce':>10} {'staging':>9} {'other':>9} {'total':>9} {'BLAS thr':>8} "
+        f"{'Numba thr':>9}")
     for r in rows:
         log(f"{r[0]:>5} {r[1]:>5} {r[2]:>7} {r[3]:9.3f} {r[4]:9.3f} {r[5]:10.3f} {r[6]:10.3f} "
-            f"{r[7]:9.3f} {r[8]:9.3f} {r[9]:9.3f}")
+            f"{r[7]:9.3f} {r[8]:9.3f} {r[9]:9.3f} {r[10]!s:>8} {r[11]!s:>9}")
+    log(f"rank 0 {describe_threads(lp.threads)}")
 
 
 def cmd_bench(args):
@@ -291,16 +478,41 @@ def _tune_malloc():
     mallopt(m_mmap_threshold, 32 << 20)
 
 
-def main(argv=None):
-    """Entry point; returns the process exit code."""
-    _tune_malloc()
+def _parsers():
+    """(the ``python -m mgnn`` parser, {command: its subparser})."""
     parser = argparse.ArgumentParser(prog="python -m mgnn",
                                      description="Layer-parallel training of ResNets with MGRIT.")
     sub = parser.add_subparsers(dest="command", required=True)
-    _train_parser(sub)
-    _bench_parser(sub)
-    args = parser.parse_args(argv)
+    return parser, {"train": _train_parser(sub), "bench": _bench_parser(sub)}
+
+
+def parse_args(argv=None):
+    """The command line as a Namespace; argparse's usage error (exit 2) names the command whose
+    flag is unknown."""
+    parser, subs = _parsers()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the usage of the command, not of `python -m mgnn`
+        subs[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
+
+
+def main(argv=None):
+    """Entry point; returns the process exit code.
+
+    Bad input (flags, data, checkpoints, rank counts) is one line ``mgnn: error: ...`` on stderr
+    and exit code 2, on every rank of an MPI run; failures during training under MPI end every
+    rank (``MPI_Abort``) with the failing rank's traceback.
+    """
+    _tune_malloc()
+    args = parse_args(argv)
     comm = None
+    try:
+        _check_args(args, _parsers()[1][args.command])
+        if args.command == "train":
+            comm = _world(args)  # the same on every rank: a clean exit everywhere
+    except ValueError as exc:
+        print(f"mgnn: error: {exc}", file=sys.stderr)
+        return 2
     if args.command == "bench" and args.suite == "scaling" and _mpi_size_from_env() > 1:
         from mpi4py import MPI
 
@@ -308,22 +520,24 @@ def main(argv=None):
         with abort_on_error(MPI.COMM_WORLD, "mgnn bench"):
             cmd_bench(args)
         return 0
-    try:
-        if args.command == "train":
-            comm = _world(args)
-    except ValueError as exc:  # the same on every rank: a clean exit everywhere
-        print(f"mgnn: error: {exc}", file=sys.stderr)
-        return 2
     if comm is not None:  # any failure on any rank ends every rank (MPI_Abort), never a hang
         from .comm import abort_on_error
+        from .errors import CheckpointError
+        from .mgrit import DivergenceError
         with abort_on_error(comm, "mgnn"):
-            cmd_train(args, comm)
+            try:
+                cmd_train(args, comm)
+            except (_CLIError, CheckpointError, DivergenceError) as exc:  # on every rank alike
+                print(f"mgnn: error: {exc}", file=sys.stderr, flush=True)
+                return 2
         return 0
+    from .comm import abort_on_error
     try:
-        if args.command == "train":
-            cmd_train(args)
-        else:
-            cmd_bench(args)
+        with abort_on_error(None, "mgnn"):  # a Ctrl-C inside a Numba kernel: KeyboardInterrupt
+            if args.command == "train":
+                cmd_train(args)
+            else:
+                cmd_bench(args)
     except (ValueError, TypeError, FileNotFoundError, FloatingPointError) as exc:
         print(f"mgnn: error: {exc}", file=sys.stderr)
         return 2

@@ -1,4 +1,5 @@
 """Tunables and tolerances shared across mgnn (no imports from the rest of the package)."""
+import os
 
 #: Supported floating point dtypes, by name.
 DTYPES = ("float32", "float64")
@@ -18,3 +19,18 @@ GRADCHECK_MAX_ENTRIES = 64
 
 #: Environment variable naming the folder with the MNIST IDX files.
 MNIST_ENV = "MGNN_MNIST_DIR"
+
+#: Environment variable naming mgnn's cache folder (compiled kernels).
+CACHE_ENV = "MGNN_CACHE_DIR"
+
+
+def cache_root():
+    """mgnn's per-user cache folder (not created here): ``$MGNN_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/mgnn`` (an absolute ``XDG_CACHE_HOME`` only, as the XDG spec says), else
+    ``~/.cache/mgnn``."""
+    root = os.environ.get(CACHE_ENV)
+    if root:
+        return os.path.abspath(os.path.expanduser(root))
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    base = xdg if os.path.isabs(xdg) else os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "mgnn")

@@ -106,6 +106,7 @@ def _find(d, stem):
 
 def load_mnist(data_dir=None, limit_train=None, limit_test=None):
     """MNIST from the IDX files in ``data_dir`` (or ``$MGNN_MNIST_DIR``); images (n, 1, 28, 28)."""
+    _check_limits(limit_train, limit_test)
     d = _mnist_dir(data_dir)
     parts = {}
     for split, stem in (("train", "train"), ("test", "t10k")):
@@ -119,7 +120,7 @@ def load_mnist(data_dir=None, limit_train=None, limit_test=None):
         if y.size and y.max() > 9:
             raise DataFormatError(f"{d}: {stem} labels out of range 0..9 (max {y.max()})")
         limit = limit_train if split == "train" else limit_test
-        if limit:
+        if limit is not None:
             x, y = x[:limit], y[:limit]
         parts[split] = (x[:, None].astype(np.float64) / 255.0, y.astype(np.int64))
     return Dataset("mnist", *parts["train"], *parts["test"], 10)
@@ -137,8 +138,25 @@ def load_digits(test_fraction=0.2, seed=0):
     return Dataset("digits", x[tr], y[tr], x[te], y[te], 10)
 
 
+def _check_count(name, value, least=1):
+    """``value`` as an int >= ``least`` (ValueError/TypeError naming ``name`` otherwise)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < least:
+        raise ValueError(f"{name} must be >= {least}, got {value}")
+    return int(value)
+
+
+def _check_limits(limit_train, limit_test):
+    for name, limit in (("limit_train", limit_train), ("limit_test", limit_test)):
+        if limit is not None:
+            _check_count(name, limit)
+
+
 def load_synthetic(n_train=512, n_test=128, image_size=(8, 8), n_classes=4, seed=0):
     """Seeded synthetic classification set: class templates plus noise, images (n, 1, H, W)."""
+    n_train, n_test = _check_count("n_train", n_train), _check_count("n_test", n_test)
+    n_classes = _check_count("n_classes", n_classes, least=2)
     rng = np.random.default_rng(seed)
     templates = rng.uniform(0, 1, size=(n_classes, 1) + tuple(image_size))
 
@@ -152,7 +170,8 @@ def load_synthetic(n_train=512, n_test=128, image_size=(8, 8), n_classes=4, seed
 
 def load_dataset(name, data_dir=None, seed=0, limit_train=None, limit_test=None):
     """'digits', 'mnist' or 'synthetic' (normalised); ``limit_train`` / ``limit_test`` keep the
-    first samples of each split (any data set)."""
+    first samples of each split (any data set): None (all) or an int >= 1."""
+    _check_limits(limit_train, limit_test)
     if name == "digits":
         ds = load_digits(seed=0)
     elif name == "mnist":
@@ -161,9 +180,9 @@ def load_dataset(name, data_dir=None, seed=0, limit_train=None, limit_test=None)
         ds = load_synthetic(seed=seed)
     else:
         raise ValueError(f"unknown data set {name!r}; expected 'digits', 'mnist' or 'synthetic'")
-    if limit_train or limit_test:
-        ds = Dataset(ds.name, ds.x_train[:limit_train or None], ds.y_train[:limit_train or None],
-                     ds.x_test[:limit_test or None], ds.y_test[:limit_test or None], ds.n_classes)
+    if limit_train is not None or limit_test is not None:
+        ds = Dataset(ds.name, ds.x_train[:limit_train], ds.y_train[:limit_train],
+                     ds.x_test[:limit_test], ds.y_test[:limit_test], ds.n_classes)
     return ds.normalised()
 
 

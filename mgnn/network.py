@@ -1,7 +1,7 @@
 """Models (opening + residual steps + closing) and :class:`LayerParallel`, their training front.
 
-A model owns its parameters as a :class:`mgnn.params.ParamDict` with the names of DESIGN.md
-section 6: ``opening.weight``, ``opening.bias``, ``steps.weight`` (N, ...), ``steps.bias`` (N, ...),
+A model owns its parameters as a :class:`mgnn.params.ParamDict` with the names of docs/design.md,
+"Public API": ``opening.weight``, ``opening.bias``, ``steps.weight`` (N, ...), ``steps.bias`` (N, ...),
 ``closing.weight``, ``closing.bias``.
 """
 import numbers
@@ -10,9 +10,9 @@ import time
 import numpy as np
 
 from .backend import check_dtype, get_backend, is_device_array, to_host, vector_ops
-from .comm import Layout, abort_on_error, agree_on_errors
+from .comm import Layout, abort_on_error, agree_on_errors, configure_threads, wait_request
 from .comm.halo import tag
-from .mgrit import MGRITOptions, MGRITSolver, hierarchy
+from .mgrit import DivergenceError, MGRITOptions, MGRITSolver, hierarchy
 from .mgrit.partition import Partition, block_starts
 from .blocks import (ConvOpening, ConvStep, DenseClosing, DenseOpening, DenseStep, PoolClosing,
                      SoftmaxCrossEntropy)
@@ -95,6 +95,8 @@ class Model:
 
 def _common(n_classes, n_layers, t_final, activation, dtype):
     n_classes = _positive_int("n_classes", n_classes)
+    if n_classes < 2:
+        raise ValueError(f"n_classes must be >= 2 (a classifier), got {n_classes}")
     n_layers = _positive_int("n_layers", n_layers)
     if not isinstance(t_final, numbers.Real) or not np.isfinite(t_final) or t_final <= 0:
         raise ValueError(f"t_final must be a positive finite number, got {t_final!r}")
@@ -271,19 +273,27 @@ class LayerParallel:
         and DLMG do.
     overlap : bool
         Overlap halo messages with computation (default; ``False`` is the benchmark baseline).
+    threads : 'auto', int or None
+        BLAS and Numba threads of this process (:func:`mgnn.comm.configure_threads`). 'auto'
+        (default): with more than one rank, each rank gets ``max(1, cores // ranks sharing
+        them)`` for every library whose thread variable (``OPENBLAS_NUM_THREADS``,
+        ``MKL_NUM_THREADS``, ``OMP_NUM_THREADS``, ``NUMBA_NUM_THREADS``) the environment does not
+        set; a single process is left as it is. int: that many threads for BLAS and Numba.
+        None: leave every thread setting alone. The limits are process-wide and persist.
 
     Attributes
     ----------
     stats : dict
         ``{'forward': {'residuals', 'iterations'}, 'adjoint': {...}, 'timings': {...}}`` of the
-        last call.
+        last call, and ``'threads'``: the BLAS and Numba thread counts chosen at construction and
+        why (see :func:`mgnn.comm.configure_threads`).
     replica : int
         This rank's data replica 0..D-1 (which shard it reads).
     layout : Layout
     """
 
     def __init__(self, model, fwd=None, bwd=None, comm=None, backend="numba", warm_start=False,
-                 data_ranks=1, overlap=True):
+                 data_ranks=1, overlap=True, threads="auto"):
         if not isinstance(model, Model):
             raise TypeError(f"model must be an mgnn Model, got {type(model).__name__}")
         for name, opt in (("fwd", fwd), ("bwd", bwd)):
@@ -299,7 +309,14 @@ class LayerParallel:
         self.fwd, self.bwd, self.warm_start = fwd, bwd, warm_start
         self.overlap = bool(overlap)
         self.backend = backend
-        self.bk = get_backend(backend) if isinstance(backend, str) else _check_backend(backend)
+        bk, error = None, None
+        try:  # may fail on some ranks only (a node without a GPU): every rank raises alike
+            bk = get_backend(backend) if isinstance(backend, str) else _check_backend(backend)
+        except (ValueError, TypeError) as exc:
+            error = exc
+        agree_on_errors(comm, error)
+        self.bk = bk
+        self.threads = configure_threads(comm, threads)  # collective; before any kernel runs
         self.xp = getattr(self.bk, "xp", np)
         if self.xp is not np:
             model.params = model.params.to(self.xp)
@@ -311,12 +328,23 @@ class LayerParallel:
         for opt in (fwd, bwd):  # validates the hierarchy against N before any kernel runs
             if opt is not None:
                 hierarchy(N, opt)
+                opt.for_dtype(model.dtype)  # a tolerance the dtype cannot resolve: rejected
         lo, hi = self.partition.fine_range(self.layout.layer_rank)
         self.layers = range(lo, min(hi, N))
         self.owned = self._owned_mask()
         self.stats = {}
         self._previous_states = None
         self._solvers = {}
+
+    @property
+    def stats(self):
+        """Residual histories, iterations and timings of the last call; ``'threads'`` always."""
+        return self._stats
+
+    @stats.setter
+    def stats(self, value):
+        value["threads"] = self.threads
+        self._stats = value
 
     @property
     def replica(self):
@@ -351,6 +379,8 @@ class LayerParallel:
         if isinstance(a, (xp.ndarray, np.ndarray)) or hasattr(a, "__cuda_array_interface__"):
             return xp.asarray(a)
         if hasattr(a, "__dlpack__"):
+            if _dlpack_on_host(a):  # cupy.from_dlpack refuses host memory: one copy over
+                return xp.asarray(np.from_dlpack(a))
             return xp.from_dlpack(a)
         raise TypeError(f"{what} must be an array (CuPy, NumPy, __cuda_array_interface__ or "
                         f"DLPack), got {type(a).__name__}")
@@ -432,8 +462,8 @@ class LayerParallel:
         for prefix, gd in (("opening", go), ("closing", gc)):
             for k, v in gd.items():
                 grads[f"{prefix}.{k}"][...] = v
-        self.stats = {"forward": {"residuals": [], "iterations": 0},
-                      "adjoint": {"residuals": [], "iterations": 0}}
+        self.stats = {"forward": {"residuals": [], "iterations": 0, "converged": True},
+                      "adjoint": {"residuals": [], "iterations": 0, "converged": True}}
         return loss, grads
 
     def _validated(self, x, y=None):
@@ -522,7 +552,8 @@ class LayerParallel:
         lay = self.layout
         if lay.size == 1 and self.fwd is None and self.bwd is None:
             return self._serial_loss_and_grad(x, y)
-        with abort_on_error(lay.comm, "mgnn"):
+        # a divergence is seen in the residual summed over every rank: raised on all alike
+        with abort_on_error(lay.comm, "mgnn", collective=(DivergenceError,)):
             return self._general_loss_and_grad(x, y)
 
     def _general_loss_and_grad(self, x, y):
@@ -539,8 +570,8 @@ class LayerParallel:
         batch = x.shape[0]
         total_batch = batch if lay.data_comm is None else lay.data_comm.allreduce(batch)
         scale = m.dtype.type(batch / total_batch)
-        stats = {"forward": {"residuals": [], "iterations": 0},
-                 "adjoint": {"residuals": [], "iterations": 0}}
+        stats = {"forward": {"residuals": [], "iterations": 0, "converged": True},
+                 "adjoint": {"residuals": [], "iterations": 0, "converged": True}}
         guess = None
         prev = self._previous_states
         if self.warm_start and prev is not None and prev[1] == batch:
@@ -550,7 +581,8 @@ class LayerParallel:
         res, d_open = self._distributed_forward(x, self.fwd or self._serial_opts, guess)
         add(res)
         if self.fwd is not None:
-            stats["forward"] = {"residuals": list(res.residuals), "iterations": res.iterations}
+            stats["forward"] = {"residuals": list(res.residuals), "iterations": res.iterations,
+                                "converged": res.converged}
             if self.warm_start:
                 self._previous_states = (res.states, batch)
         U = res.states
@@ -579,7 +611,8 @@ class LayerParallel:
         adj = solver.solve(lam_N)
         add(adj)
         if self.bwd is not None:
-            stats["adjoint"] = {"residuals": list(adj.residuals), "iterations": adj.iterations}
+            stats["adjoint"] = {"residuals": list(adj.residuals), "iterations": adj.iterations,
+                                "converged": adj.converged}
         lam = adj.states[::-1]  # lam[n] = adjoint at forward index n (owned entries)
         # lam at the next rank's first index is needed only by the last owned layer: its
         # message overlaps the parameter gradients of all the other layers
@@ -668,6 +701,18 @@ class LayerParallel:
         return out
 
 
+#: DLPack device types of host memory (kDLCPU, kDLCUDAHost: pinned), which ``cupy.from_dlpack``
+#: refuses ("CPU arrays cannot be directly imported to CuPy").
+_DLPACK_HOST = (1, 3)
+
+
+def _dlpack_on_host(a):
+    """Whether the DLPack object ``a`` lives in host memory (no ``__dlpack_device__``: assume so,
+    as the DLPack protocol's default device is the CPU)."""
+    dev = getattr(a, "__dlpack_device__", None)
+    return dev is None or int(dev()[0]) in _DLPACK_HOST
+
+
 def _check_backend(bk):
     """A user's backend object: it must provide every kernel of the contract."""
     from .backend import KERNELS
@@ -733,7 +778,7 @@ class _Buckets:
     def wait(self):
         """Wait for every started bucket (and copy staged sums back to the device)."""
         for r in self.requests:
-            r.Wait()
+            wait_request(r)
         if self.staged:
             import cupy
             for dev, host in self.staged:

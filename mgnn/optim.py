@@ -1,9 +1,11 @@
 """Optimizers over flat parameter buffers (PyTorch's update rules, so runs are comparable)."""
+import copy
 import numbers
 
 import numpy as np
 
 from .backend import is_device_array
+from .params import ParamDict
 
 
 def _nonneg(name, v):
@@ -13,9 +15,15 @@ def _nonneg(name, v):
 
 
 class Optimizer:
-    """Base class: updates ``params`` (1-D float array, in place) from a gradient of equal shape."""
+    """Base class: updates ``params`` (1-D float array, in place) from a gradient of equal shape.
+
+    ``params`` may be given as a :class:`ParamDict` (its ``flat`` buffer is updated) and each
+    gradient as one (``grads.flat`` is used: same layout as ``model.params.flat``).
+    """
 
     def __init__(self, params, lr):
+        if isinstance(params, ParamDict):
+            params = params.flat
         if not hasattr(params, "dtype") or getattr(params, "ndim", None) != 1:
             raise TypeError("params must be a 1-D numpy or cupy array (e.g. model.params.flat)")
         #: fused Numba CUDA updates for device parameters (mgnn.backend.numba_cuda), else numpy
@@ -25,11 +33,18 @@ class Optimizer:
         self.t = 0
 
     def _check(self, grad):
-        if type(grad) is not type(self.params) or grad.shape != self.params.shape:
-            raise ValueError(f"gradient of shape {getattr(grad, 'shape', None)} does not match "
-                             f"the parameters {self.params.shape}")
+        """The flat gradient (``grad.flat`` of a ParamDict), checked against the parameters."""
+        if isinstance(grad, ParamDict):
+            grad = grad.flat
+        if type(grad) is not type(self.params):
+            raise TypeError(f"gradient must be a {type(self.params).__name__} like the parameters "
+                            f"(a ParamDict or its .flat), got {type(grad).__name__}")
+        if grad.shape != self.params.shape:
+            raise ValueError(f"gradient of shape {grad.shape} does not match the parameters "
+                             f"{self.params.shape}")
         if grad.dtype != self.params.dtype:
             raise TypeError(f"gradient dtype {grad.dtype} != parameter dtype {self.params.dtype}")
+        return grad
 
     def state_dict(self):
         """Arrays and scalars that restore the optimizer exactly (for checkpoints)."""
@@ -46,6 +61,18 @@ class Optimizer:
     def _buffers(self):
         return {}
 
+    def warm_up(self):
+        """Compile the update now, so that the first :meth:`step` is not a JIT compilation
+        (device parameters: a Numba CUDA kernel per dtype); it runs on scratch one-entry copies,
+        so the parameters, the state and the step count are unchanged. A no-op on the CPU."""
+        if not self.device:
+            return
+        scratch = copy.copy(self)
+        for name, value in vars(self).items():
+            if is_device_array(value) and value.shape == self.params.shape:
+                setattr(scratch, name, value[:1].copy())
+        scratch.step(scratch.params * 0)
+
 
 class SGD(Optimizer):
     """SGD with momentum and weight decay: g += wd p; buf = mu buf + g; p -= lr buf."""
@@ -53,15 +80,18 @@ class SGD(Optimizer):
     def __init__(self, params, lr=0.1, momentum=0.0, weight_decay=0.0):
         super().__init__(params, lr)
         self.momentum = _nonneg("momentum", momentum)
+        if self.momentum >= 1:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
         self.weight_decay = _nonneg("weight_decay", weight_decay)
-        self.buf = _zeros_like(params)
+        self.buf = _zeros_like(self.params)
 
     def _buffers(self):
         return {"momentum_buffer": self.buf}
 
     def step(self, grad):
-        """One update from ``grad`` (same shape and dtype as the parameters)."""
-        self._check(grad)
+        """One update from ``grad`` (same shape and dtype as the parameters, or a ParamDict of
+        the same layout)."""
+        grad = self._check(grad)
         if self.device:  # one fused kernel, same arithmetic
             from .backend.numba_cuda import sgd_update
             sgd_update(self.params, grad, self.buf, self.lr, self.momentum, self.weight_decay,
@@ -91,15 +121,16 @@ class Adam(Optimizer):
             raise ValueError(f"betas must be in [0, 1), got {betas!r}")
         self.eps = _nonneg("eps", eps)
         self.weight_decay = _nonneg("weight_decay", weight_decay)
-        self.m = _zeros_like(params)
-        self.v = _zeros_like(params)
+        self.m = _zeros_like(self.params)
+        self.v = _zeros_like(self.params)
 
     def _buffers(self):
         return {"exp_avg": self.m, "exp_avg_sq": self.v}
 
     def step(self, grad):
-        """One update from ``grad`` (same shape and dtype as the parameters)."""
-        self._check(grad)
+        """One update from ``grad`` (same shape and dtype as the parameters, or a ParamDict of
+        the same layout)."""
+        grad = self._check(grad)
         if self.device:  # one fused kernel, same arithmetic
             from .backend.numba_cuda import adam_update
             self.t += 1

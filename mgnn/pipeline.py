@@ -10,7 +10,7 @@ import time
 import numpy as np
 
 from .comm import abort_on_error
-from .comm.halo import tag
+from .comm.halo import tag, wait_request
 from .network import LayerParallel
 
 
@@ -64,7 +64,7 @@ class PipelineParallel(LayerParallel):
         def recv(shape, source, t):
             buf = np.empty(shape, dtype=m.dtype)
             t0 = time.perf_counter()
-            comm.Recv(buf, source=source, tag=t)
+            wait_request(comm.Irecv(buf, source=source, tag=t))  # Ctrl-C is seen while waiting
             timings["halo_wait"] += time.perf_counter() - t0
             return buf
 
@@ -114,7 +114,7 @@ class PipelineParallel(LayerParallel):
         grads["steps.bias"][lo:stop] = gb
         t0 = time.perf_counter()
         for s in sends:
-            s.Wait()
+            wait_request(s)
         if lay.data_comm is not None and lay.data_ranks > 1:
             from mpi4py import MPI
             lay.data_comm.Allreduce(MPI.IN_PLACE, grads.flat)

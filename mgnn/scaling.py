@@ -231,7 +231,8 @@ def finish_rows(rows):
 
 def verdicts(rows):
     """Per configuration and P: the fastest method, and the least M at which the pipeline is
-    faster than layer-parallel MGRIT (None if it never is)."""
+    faster than layer-parallel MGRIT (None if it never is, and on one rank, where neither runs
+    anything in parallel)."""
     groups = {}
     for r in rows:
         k = (r["study"], r["n_layers"], r["width"], r["batch"], r["levels"], r["cf"], r["ranks"])
@@ -243,7 +244,7 @@ def verdicts(rows):
         pipes = sorted((r for r in rs if r["method"] == "pipeline"),
                        key=lambda r: r["micro_batches"])
         over = next((r["micro_batches"] for r in pipes if mg and r["time_s"] < mg["time_s"]),
-                    None)
+                    None) if k[6] > 1 else None
         out.append({"study": k[0], "n_layers": k[1], "width": k[2], "batch": k[3],
                     "levels": k[4], "cf": k[5], "ranks": k[6], "fastest": best["key"],
                     "fastest_s": best["time_s"], "pipeline_overtakes_mgrit_at_M": over})
@@ -266,23 +267,104 @@ def format_table(rows, verdict_rows):
     lines.append("")
     for v in verdict_rows:
         over = v["pipeline_overtakes_mgrit_at_M"]
-        lines.append(f"{v['study']:<14} P={v['ranks']} N={v['n_layers']} w={v['width']} "
-                     f"B={v['batch']} L={v['levels']} cf={v['cf']}: fastest {v['fastest']}"
-                     f" ({v['fastest_s']:.4f} s); pipeline overtakes MGRIT at "
-                     f"{'M=' + str(over) if over else 'no M tried'}")
+        line = (f"{v['study']:<14} P={v['ranks']} N={v['n_layers']} w={v['width']} "
+                f"B={v['batch']} L={v['levels']} cf={v['cf']}: fastest {v['fastest']}"
+                f" ({v['fastest_s']:.4f} s)")
+        if v["ranks"] > 1:  # on one rank neither pipelines nor MGRIT run anything in parallel
+            line += f"; pipeline overtakes MGRIT at {'M=' + str(over) if over else 'no M tried'}"
+        lines.append(line)
     return "\n".join(lines)
 
 
+def _umask():
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _atomic_write(path, data):
+    """Write bytes ``data`` to ``path`` through a temporary file renamed over it; the file mode
+    follows the umask (0644 under the usual 022), as for any file ``open`` creates."""
     folder = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _save_figure(fig, path):
+    import matplotlib.pyplot as plt
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    _atomic_write(path, buf.getvalue())
+    return path
+
+
+def _legend_outside(ax):
+    """Legend to the right of the axes, so that it never hides a line."""
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
+
+
+def plot_metric(rows, metric, ylabel):
+    """Figure of ``metric`` per method against P (strong/weak) or the swept key (sweeps), one
+    panel per study; ticks at the integer values measured, legends outside the panels."""
+    import matplotlib.pyplot as plt
+    studies = sorted({r["study"] for r in rows})
+    fig, axes = plt.subplots(1, len(studies), figsize=(7 * len(studies), 4), squeeze=False)
+    for ax, study in zip(axes[0], studies):
+        rs = [r for r in rows if r["study"] == study and metric in r]
+        xkey = study[len("sweep-"):] if study.startswith("sweep-") else "ranks"
+        for key in sorted({r["key"] for r in rs}):
+            pts = sorted((r[xkey], r[metric]) for r in rs if r["key"] == key)
+            ax.plot(*zip(*pts), marker="o", label=key)
+        if metric == "speedup":
+            if xkey == "ranks":
+                ps = sorted({r["ranks"] for r in rs})
+                ax.plot(ps, ps, "k:", label="ideal")
+            mg = sorted((r[xkey], r["predicted_speedup"]) for r in rs
+                        if r["key"] == "mgrit" and "predicted_speedup" in r)
+            if mg:
+                ax.plot(*zip(*mg), "k--", label="mgrit cost model")
+        ax.set_xticks(sorted({int(r[xkey]) for r in rs}))
+        if xkey == "ranks":
+            ax.set_xlabel(f"ranks P (oversubscribed beyond {os.cpu_count()} cores)")
+        else:
+            ax.set_xlabel(f"{xkey} (P = {rs[0]['ranks'] if rs else '?'})")
+        ax.set_ylabel(ylabel)
+        ax.set_title(study)
+        ax.grid(alpha=0.3)
+        _legend_outside(ax)
+    fig.tight_layout()
+    return fig
+
+
+def plot_residuals(residuals):
+    """Figure of the residual histories {name: [r_k]} against the cycle (integer ticks)."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, hist in residuals.items():
+        ax.semilogy(range(len(hist)), hist, marker="o", label=name)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("cycle")
+    ax.set_ylabel("residual (XBraid norm)")
+    ax.set_title("MGRIT convergence, base configuration")
+    ax.grid(alpha=0.3)
+    _legend_outside(ax)
+    fig.tight_layout()
+    return fig
 
 
 def write_outputs(out_dir, rows, verdict_rows, residuals, meta):
-    """scaling.csv, scaling.json and PNG plots (time, speedup, efficiency, residuals)."""
+    """scaling.csv, scaling.json and PNG plots (time, speedup, efficiency, residuals), each written
+    atomically with the umask's file mode; returns the PNG paths."""
     os.makedirs(out_dir, exist_ok=True)
     names = ["study", "method", "key", "ranks", "micro_batches"] + \
         [k for k in FIELDS if k not in ("study", "method", "ranks", "micro_batches")]
@@ -296,54 +378,13 @@ def write_outputs(out_dir, rows, verdict_rows, residuals, meta):
     _atomic_write(os.path.join(out_dir, "scaling.json"), json.dumps(doc, indent=1).encode())
     import matplotlib
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     written = []
     for metric, ylabel in (("time_s", "time per training step [s]"), ("speedup", "speedup"),
                            ("parallel_efficiency", "parallel efficiency (speedup / P)")):
-        studies = sorted({r["study"] for r in rows})
-        fig, axes = plt.subplots(1, len(studies), figsize=(5.5 * len(studies), 4), squeeze=False)
-        for ax, study in zip(axes[0], studies):
-            rs = [r for r in rows if r["study"] == study and metric in r]
-            xkey = study[len("sweep-"):] if study.startswith("sweep-") else "ranks"
-            for key in sorted({r["key"] for r in rs}):
-                pts = sorted((r[xkey], r[metric]) for r in rs if r["key"] == key)
-                ax.plot(*zip(*pts), marker="o", label=key)
-            if metric == "speedup":
-                if xkey == "ranks":
-                    ps = sorted({r["ranks"] for r in rs})
-                    ax.plot(ps, ps, "k:", label="ideal")
-                mg = sorted((r[xkey], r["predicted_speedup"]) for r in rs
-                            if r["key"] == "mgrit" and "predicted_speedup" in r)
-                if mg:
-                    ax.plot(*zip(*mg), "k--", label="mgrit cost model")
-            if xkey == "ranks":
-                ax.set_xlabel(f"ranks P (oversubscribed beyond {os.cpu_count()} cores)")
-            else:
-                ax.set_xlabel(f"{xkey} (P = {rs[0]['ranks'] if rs else '?'})")
-            ax.set_ylabel(ylabel)
-            ax.set_title(study)
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=7)
-        fig.tight_layout()
         path = os.path.join(out_dir, f"{metric.split('_')[0]}.png")
-        fig.savefig(path + ".tmp.png", dpi=110)
-        os.replace(path + ".tmp.png", path)
-        plt.close(fig)
-        written.append(path)
-    fig, ax = plt.subplots(figsize=(5.5, 4))
-    for name, hist in residuals.items():
-        ax.semilogy(range(len(hist)), hist, marker="o", label=name)
-    ax.set_xlabel("cycle")
-    ax.set_ylabel("residual (XBraid norm)")
-    ax.set_title("MGRIT convergence, base configuration")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = os.path.join(out_dir, "residuals.png")
-    fig.savefig(path + ".tmp.png", dpi=110)
-    os.replace(path + ".tmp.png", path)
-    plt.close(fig)
-    written.append(path)
+        written.append(_save_figure(plot_metric(rows, metric, ylabel), path))
+    written.append(_save_figure(plot_residuals(residuals),
+                                os.path.join(out_dir, "residuals.png")))
     return written
 
 

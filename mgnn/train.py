@@ -6,25 +6,75 @@ closing + loss, adjoint, parameter gradients) -> optimizer update of ``model.par
 import json
 import os
 import sys
-import tempfile
 import time
+import zipfile
+import zlib
 
 import numpy as np
 
 from .backend import to_host
 from .data import batches
 from .errors import CheckpointError
+from .mgrit import DivergenceError
 
 
 # ------------------------------------------------------------------------------------ checkpoints
+_HEADER = {"epoch": int, "step": int, "model_config": dict, "optimizer": str, "rng_state": dict}
+_UNREADABLE = (KeyError, ValueError, TypeError, OSError, EOFError, zipfile.BadZipFile,
+               NotImplementedError, zlib.error, AttributeError)
+
+
+def _why(exc):
+    """An OSError's reason without the (temporary) file name it carries."""
+    return getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+
+
+def _tmp_path(path):
+    """The one temporary name a checkpoint is written under: a writer killed half-way leaves this
+    file, and the next save of the same checkpoint truncates and reuses it."""
+    folder, name = os.path.split(os.path.abspath(path))
+    return os.path.join(folder, f".{name}.tmp")
+
+
+def _open_tmp(tmp):
+    """Create ``tmp`` afresh for writing (mode 0666 less the umask): a leftover file is removed
+    first, and the name is never followed if it is a symbolic link (``O_EXCL | O_NOFOLLOW``), so a
+    planted link cannot redirect the write."""
+    if os.path.lexists(tmp) and not os.path.isdir(tmp):
+        os.unlink(tmp)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    return os.fdopen(os.open(tmp, flags, 0o666), "wb")
+
+
+def check_checkpoint_path(path):
+    """Raise :class:`CheckpointError` unless a checkpoint can be written at ``path``.
+
+    Creates the folder, then creates and removes the temporary file; so an unwritable folder, a
+    directory in the way or a read-only file system is reported before any training.
+    """
+    path = os.fspath(path)
+    try:
+        if os.path.isdir(path):
+            raise IsADirectoryError(0, "a directory is in the way")
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        tmp = _tmp_path(path)
+        with _open_tmp(tmp):
+            pass
+        os.unlink(tmp)
+    except OSError as exc:
+        raise CheckpointError(f"cannot write checkpoint {path}: {_why(exc)}") from exc
+
+
 def save_checkpoint(path, model, optimizer, epoch, step, rng, meta=None, params=None,
-                    optim_state=None):
+                    optim_state=None, warm=None):
     """Write parameters, optimizer state, epoch/step and the shuffling RNG state to ``path`` (.npz).
 
-    The file is written to a temporary file in the same folder and renamed over ``path``, so a
-    crash never leaves a half-written checkpoint. ``params`` / ``optim_state`` replace the
+    The file is written to ``.<name>.tmp`` in the same folder (the file mode follows the umask)
+    and renamed over ``path``, so a crash never leaves a half-written checkpoint, and the leftover
+    of a killed writer is reused by the next save. ``params`` / ``optim_state`` replace the
     model's and optimizer's own (a distributed run passes the gathered ones), so a checkpoint
-    never depends on the number of ranks that wrote it.
+    never depends on the number of ranks that wrote it. ``warm``: the warm-start states
+    (:func:`warm_states`) or None.
     """
     params = model.params if params is None else params
     optim_state = optimizer.state_dict() if optim_state is None else optim_state
@@ -33,39 +83,63 @@ def save_checkpoint(path, model, optimizer, epoch, step, rng, meta=None, params=
     header = {"epoch": int(epoch), "step": int(step), "model_config": model.config,
               "optimizer": type(optimizer).__name__, "rng_state": rng.bit_generator.state,
               "meta": meta or {}}
+    if warm is not None:
+        header["warm_batch"] = int(warm["batch"])
+        arrays.update({f"warm/{i}": v for i, v in warm["states"].items()})
     arrays["header"] = np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise IsADirectoryError(0, "a directory is in the way")
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".ckpt-", suffix=".npz.tmp", dir=folder)
+    tmp = _tmp_path(path)
     try:
-        with os.fdopen(fd, "wb") as f:
+        with _open_tmp(tmp) as f:
             np.savez(f, **arrays)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        if os.path.exists(tmp):
+        if os.path.lexists(tmp) and not os.path.isdir(tmp):
             os.unlink(tmp)
         raise
 
 
 def load_checkpoint(path):
-    """Read a checkpoint: dict with 'header' (dict), 'params' and 'optim' (dicts of arrays)."""
+    """Read a checkpoint: dict with 'path', 'header' (dict), 'params', 'optim' (dicts of arrays)
+    and 'warm' (None or the warm-start states, see :func:`warm_states`).
+
+    Raises FileNotFoundError if ``path`` does not exist and :class:`CheckpointError` naming it if
+    it is empty, truncated, corrupt or not an mgnn checkpoint.
+    """
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"checkpoint {path} not found")
+    bad = f"{path}: not a readable mgnn checkpoint"
+    if os.path.isfile(path) and not zipfile.is_zipfile(path):
+        size = os.path.getsize(path)
+        raise CheckpointError(f"{bad} (" + ("empty file)" if size == 0 else
+                                            f"{size} bytes, not an .npz archive: truncated or "
+                                            "another kind of file)"))
     try:
         with np.load(path) as z:
             header = json.loads(bytes(z["header"]).decode())
             params = {k[7:]: z[k] for k in z.files if k.startswith("params/")}
             optim = {k[6:]: z[k] for k in z.files if k.startswith("optim/")}
-    except FileNotFoundError:
-        raise
-    except (KeyError, ValueError, OSError) as exc:
-        raise CheckpointError(f"{path}: not a readable mgnn checkpoint ({exc})") from exc
-    return {"header": header, "params": params, "optim": optim}
+            warm = {int(k[5:]): z[k] for k in z.files if k.startswith("warm/")}
+        wrong = [k for k, t in _HEADER.items() if not isinstance(header.get(k), t)]
+        if wrong:
+            raise ValueError(f"header entries {wrong} missing or invalid")
+    except _UNREADABLE as exc:
+        why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        raise CheckpointError(f"{bad} (corrupt: {why})") from exc
+    warm = {"batch": header["warm_batch"], "states": warm} if "warm_batch" in header else None
+    return {"path": path, "header": header, "params": params, "optim": optim, "warm": warm}
 
 
 def restore(ckpt, model, optimizer, rng):
     """Load a :func:`load_checkpoint` dict into model, optimizer and rng; returns (epoch, step)."""
-    h = ckpt["header"]
+    h, where = ckpt["header"], ckpt.get("path", "checkpoint")
     if h["model_config"] != model.config:
         diff = {k: (h["model_config"].get(k), v) for k, v in model.config.items()
                 if h["model_config"].get(k) != v}
@@ -75,10 +149,58 @@ def restore(ckpt, model, optimizer, rng):
     for k, v in model.params.items():
         if k not in ckpt["params"] or ckpt["params"][k].shape != v.shape:
             raise CheckpointError(f"checkpoint parameter {k!r} missing or of the wrong shape")
+    try:
+        optimizer.load_state_dict(ckpt["optim"])
+        rng.bit_generator.state = h["rng_state"]
+    except (KeyError, ValueError, TypeError) as exc:
+        raise CheckpointError(f"{where}: cannot restore the optimizer or shuffling state "
+                              f"({type(exc).__name__}: {exc})") from exc
+    for k, v in model.params.items():
         v[...] = model.params.xp.asarray(ckpt["params"][k])
-    optimizer.load_state_dict(ckpt["optim"])
-    rng.bit_generator.state = h["rng_state"]
     return h["epoch"], h["step"]
+
+
+def warm_states(lp):
+    """Collective: the warm-start states of ``lp`` (the last forward solve's states, which start
+    the next one) in a form independent of the rank count, or None (no warm start, or no solve
+    yet). Returns ``{"batch": B, "states": {fine index: (B, ...) host array}}``: every fine
+    index from its owner, the replicas' shards concatenated in replica order (the global batch);
+    the dict on the first rank, None on the others of a distributed run."""
+    prev = lp._previous_states if lp.warm_start else None  # set by LayerParallel's forward solve
+    mine = None
+    if prev is not None:
+        states, batch = prev
+        lo, hi = lp.partition.fine_range(lp.layout.layer_rank)
+        mine = (batch, {i: to_host(states[i]) for i in range(lo, min(hi, len(states)))
+                        if states[i] is not None})
+    if not lp.distributed:
+        return None if mine is None else {"batch": mine[0], "states": mine[1]}
+    parts = lp.layout.comm.gather((lp.replica, mine), root=0)
+    if parts is None or any(m is None for _, m in parts):
+        return None
+    by_replica = {}
+    for r, (b, st) in parts:
+        by_replica.setdefault(r, [b, {}])[1].update(st)
+    reps = [by_replica[r] for r in sorted(by_replica)]
+    return {"batch": sum(b for b, _ in reps),
+            "states": {i: np.concatenate([st[i] for _, st in reps]) for i in reps[0][1]}}
+
+
+def restore_warm_states(lp, warm):
+    """Give ``lp`` the warm-start states of a checkpoint (``load_checkpoint(...)["warm"]``): this
+    replica's part (``numpy.array_split`` of the global batch, as :func:`fit` splits batches).
+    A no-op when ``warm`` is None or ``lp`` does not warm-start."""
+    if warm is None or not lp.warm_start:
+        lp._previous_states = None
+        return
+    states = [None] * (lp.model.n_layers + 1)
+    batch = None
+    for i, s in warm["states"].items():
+        if 0 <= i < len(states):
+            part = np.array_split(s, lp.layout.data_ranks)[lp.replica]
+            states[i] = lp.xp.asarray(np.ascontiguousarray(part, dtype=lp.model.dtype))
+            batch = part.shape[0]
+    lp._previous_states = None if batch is None else (states, batch)
 
 
 # ------------------------------------------------------------------------------------- progress
@@ -125,26 +247,47 @@ def evaluate(lp, x, y, batch_size=1000):
     return correct / max(len(y), 1)
 
 
-def distributed_checkpoint(path, lp, optimizer, epoch, step, rng, meta=None):
-    """Collective: gather the parameters and optimizer state from their owners; the first rank
-    writes the checkpoint (atomically); every rank returns once it is on disk."""
-    if not lp.distributed:
-        save_checkpoint(path, lp.model, optimizer, epoch, step, rng, meta)
-        return
-    params = lp.model.params.zeros_like()
-    params.flat[:] = lp.gather_params()
-    n = params.flat.size
-    state = {k: (lp.gather_params(v) if getattr(v, "shape", None) == (n,) else v)
-             for k, v in optimizer.state_dict().items()}
-    comm = lp.layout.comm
+def _agree(lp, err):
+    """Collective: every rank raises the same :class:`CheckpointError` (the first failing rank's
+    message) if any rank passes one; serial: raise ``err``."""
+    if lp.distributed:
+        from .comm import agree_on_errors
+        msgs = agree_on_errors(lp.layout.comm, None, None if err is None else str(err))
+        err = next((CheckpointError(m) for m in msgs if m is not None), None)
+    if err is not None:
+        raise err
+
+
+def check_checkpoint_writable(path, lp):
+    """Collective :func:`check_checkpoint_path` (on the first rank, which writes checkpoints)."""
     err = None
-    if comm.Get_rank() == 0:
+    if lp.layout.rank == 0:
         try:
-            save_checkpoint(path, lp.model, optimizer, epoch, step, rng, meta, params, state)
+            check_checkpoint_path(path)
+        except CheckpointError as exc:
+            err = exc
+    _agree(lp, err)
+
+
+def distributed_checkpoint(path, lp, optimizer, epoch, step, rng, meta=None):
+    """Collective: gather the parameters, optimizer state and warm-start states from their
+    owners; the first rank writes the checkpoint (atomically); every rank returns once it is on
+    disk. A failed write raises :class:`CheckpointError` naming the file on every rank."""
+    warm = warm_states(lp)
+    params, state = None, None
+    if lp.distributed:
+        params = lp.model.params.zeros_like()
+        params.flat[:] = lp.gather_params()
+        n = params.flat.size
+        state = {k: (lp.gather_params(v) if getattr(v, "shape", None) == (n,) else v)
+                 for k, v in optimizer.state_dict().items()}
+    err = None
+    if lp.layout.rank == 0:
+        try:
+            save_checkpoint(path, lp.model, optimizer, epoch, step, rng, meta, params, state, warm)
         except (OSError, ValueError, TypeError) as exc:
-            err = ValueError(f"cannot write checkpoint {path}: {exc}")
-    from .comm import agree_on_errors
-    agree_on_errors(comm, err)  # also the barrier: every rank returns once the file is on disk
+            err = CheckpointError(f"cannot write checkpoint {path}: {_why(exc)}")
+    _agree(lp, err)  # also the barrier: every rank returns once the file is on disk
 
 
 def _add_timings(total, stats):
@@ -168,7 +311,7 @@ def fit(lp, optimizer, x_train, y_train, x_test, y_test, *, epochs, batch_size, 
         part r of each batch (``numpy.array_split``); a final batch smaller than the number of
         replicas is skipped.
     checkpoint : str or None
-        Path written (atomically) after every epoch.
+        Path written (atomically) after every epoch; checked writable before the first epoch.
     log : callable(str) or None
         Receives one line per epoch.
     timings : dict or None
@@ -185,6 +328,8 @@ def fit(lp, optimizer, x_train, y_train, x_test, y_test, *, epochs, batch_size, 
     replicas = lp.layout.data_ranks
     if batch_size < replicas:
         raise ValueError(f"batch_size={batch_size} is smaller than the {replicas} data replicas")
+    if checkpoint:
+        check_checkpoint_writable(checkpoint, lp)
     for epoch in range(start_epoch, epochs):
         t0 = time.perf_counter()
         idx = [b for b in batches(len(y_train), batch_size, rng) if len(b) >= replicas]
@@ -197,11 +342,15 @@ def fit(lp, optimizer, x_train, y_train, x_test, y_test, *, epochs, batch_size, 
             if replicas > 1:
                 b = np.array_split(b, replicas)[lp.replica]
             b = lp.xp.asarray(b)
-            loss, grads = lp.loss_and_grad(x_train[b], y_train[b])
+            try:
+                loss, grads = lp.loss_and_grad(x_train[b], y_train[b])
+            except DivergenceError as exc:
+                raise DivergenceError(f"{exc} at epoch {epoch + 1}, batch {j + 1} of {len(idx)}") from exc
             if timings is not None:
                 _add_timings(timings, lp.stats)
             if not np.isfinite(loss):
-                raise FloatingPointError(f"loss became {loss} at epoch {epoch + 1}, batch {j}")
+                raise FloatingPointError(f"loss became {loss} at epoch {epoch + 1}, batch {j + 1} of "
+                                         f"{len(idx)}")
             optimizer.step(grads.flat)
             total += loss
             step += 1

@@ -151,3 +151,29 @@ def test_gpu_sections_report_failures_without_a_gpu(capsys):
     assert json.loads(t["detail"])["skipped"] > 0
     for rid in ("cli.single", "cli.mpi2"):
         assert rows[rid]["status"] == "FAIL" and rows[rid]["display"], rows[rid]
+
+
+def test_missing_mpiexec_is_a_skip_not_a_failure(monkeypatch):
+    """A GPU machine without an MPI launcher: the 2-rank CLI row says SKIP with the reason (the
+    1-process row still runs), since a missing prerequisite is not a GPU failure."""
+    import shutil
+    gc = _load()
+    ran = []
+
+    def fake_run(cmd, timeout, echo=True, env=None):
+        ran.append(cmd)
+        text = ("  --backend {numpy,numba,cuda}\n" if "--help" in cmd else
+                json.dumps({"test_accuracy": 0.5}) + "\n")
+        return gc.CmdResult(rc=0, lines=text.splitlines(), timed_out=False, seconds=1.0)
+
+    monkeypatch.setattr(gc, "run_cmd", fake_run)
+    monkeypatch.setattr(shutil, "which", lambda *a, **k: None)
+    rep = gc.Report(None, {"mode": "test"})
+    st = gc.Setup(emulated=False, backend="cuda", xp=np, sync=lambda: None, repeats=1, warmup=0,
+                  min_time=0.0, dense=(8, 8), mem_elems=64, numba_threads=None,
+                  train=dict(n_layers=16, width=8, batch=8, cf=4), budget=600)
+    gc.section_cli(rep, st, gc.parse_args([]))
+    rows = {r["id"]: r for r in rep.rows}
+    assert rows["cli.single"]["status"] == "PASS", rows["cli.single"]
+    assert rows["cli.mpi2"]["status"] == "SKIP" and "mpiexec" in rows["cli.mpi2"]["detail"]
+    assert not any("mpiexec" in str(c) for c in ran)

@@ -72,3 +72,31 @@ def test_float32_stays_float32_and_bad_input():
         SGD(p, lr=-1)
     with pytest.raises(ValueError, match="'rmsprop'"):
         make_optimizer("rmsprop", p, 0.1)
+
+
+def test_momentum_must_be_below_one():
+    p = np.ones(3)
+    for bad in (1.0, 1.5, -0.1, float("nan")):
+        with pytest.raises(ValueError, match=f"momentum must be .*{bad!r}"):
+            SGD(p, lr=0.1, momentum=bad)
+    SGD(p, lr=0.1, momentum=0.0)
+    SGD(p, lr=0.1, momentum=0.999)
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam"])
+def test_param_dicts_work_as_params_and_grads(name, rng):
+    """``opt.step(grads)`` with the ParamDict loss_and_grad returns equals ``opt.step(grads.flat)``;
+    a plain dict or list is a TypeError saying what to pass."""
+    import mgnn
+    model = mgnn.dense_resnet(4, 3, 2, 5, dtype="float64", seed=0)
+    p1, p2 = model.params.copy(), model.params.copy()
+    a, b = make_optimizer(name, p1.flat, 0.05), make_optimizer(name, p2, 0.05)
+    for _ in range(3):
+        g = model.params.zeros_like()
+        g.flat[:] = rng.standard_normal(g.flat.shape)
+        a.step(g.flat)
+        b.step(g)
+    np.testing.assert_array_equal(p1.flat, p2.flat)
+    for bad in (dict(g), list(g.flat)):
+        with pytest.raises(TypeError, match=r"a ParamDict or its \.flat\), got"):
+            b.step(bad)

@@ -90,7 +90,7 @@ def test_cli_errors_are_messages_not_tracebacks(capsys, tmp_path):
     err = capsys.readouterr().err
     assert "mgnn: error:" in err and "none" in err and "Traceback" not in err
     assert main(_cli("--layers", "0")) == 2
-    assert "n_layers" in capsys.readouterr().err
+    assert "--layers must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_digits_dense_training_learns():

@@ -55,7 +55,7 @@ class CupyLauncher:
         import cupy
         self.xp = cupy
         self.geometry = dict(GPU_GEOMETRY if geometry is None else geometry)
-        options = ("-std=c++17", *geometry_flags(self.geometry))
+        options = raw_module_options(self.geometry)
         self._functions = {}
         self._modules = []
         for fname, names in KERNEL_FILES.items():
@@ -477,40 +477,47 @@ def compile_with_nvcc(arch="sm_90", geometry=None, nvcc="nvcc"):
         return proc.stdout + proc.stderr
 
 
-def compile_with_nvrtc(arch="compute_90", geometry=None):
-    """Compile every kernel file with NVRTC, exactly as :class:`CupyLauncher` will on a GPU (no
-    host headers, ``-std=c++17``, the geometry defines, one name expression per instantiation);
-    needs only ``libnvrtc`` (the ``nvidia-cuda-nvrtc`` wheel), no GPU or driver.
+def raw_module_options(geometry):
+    """The compile options :class:`CupyLauncher` gives ``cupy.RawModule`` (CuPy adds its own:
+    ``-arch``, ``-ftz=true``, ``--device-as-default-execution-space``, ``--pch`` if enabled)."""
+    return ("-std=c++17", *geometry_flags(geometry))
 
-    Returns {file name: NVRTC log}. Raises ``RuntimeError`` with the log if a file fails or
-    NVRTC warns.
+
+def compile_with_nvrtc(arch="90", geometry=None):
+    """Compile every kernel file through CuPy's own NVRTC path, as ``cupy.RawModule`` will on a
+    GPU of compute capability ``arch``, without a GPU or driver.
+
+    The architecture is passed explicitly; CuPy's option lookup (which would query NVRTC's
+    limits for the current device) is answered with ``-arch=sm_{arch}``, a cubin, as CuPy picks
+    for a device NVRTC knows. Not thread-safe (it swaps that private function for the call). The options are
+    :func:`raw_module_options` plus ``-ftz=true`` (which CuPy's kernel cache adds); CuPy's
+    compile adds the rest itself. Every name expression must resolve to a kernel.
+
+    Returns {file name: NVRTC log}. Raises ``RuntimeError`` with the log if a file fails, NVRTC
+    warns or a name expression is unresolved.
     """
-    import ctypes
-    from cuda.pathfinder import load_nvidia_dynamic_lib
-    lib = ctypes.CDLL(load_nvidia_dynamic_lib("nvrtc").abs_path)
+    import io
+
+    from cupy.cuda import compiler
     geometry = GPU_GEOMETRY if geometry is None else geometry
-    # CuPy's own additions: -ftz=true (float32 subnormals flush to zero on the GPU)
-    opts = [b"-std=c++17", f"--gpu-architecture={arch}".encode(), b"-ftz=true"]
-    opts += [f.encode() for f in geometry_flags(geometry)]
+    lookup = compiler._get_arch_for_options_for_nvrtc
+    compiler._get_arch_for_options_for_nvrtc = lambda arch=None: (f"-arch=sm_{arch}", "cubin")
     logs = {}
-    for fname, names in KERNEL_FILES.items():
-        code = module_source(fname).encode()
-        prog = ctypes.c_void_p()
-        if lib.nvrtcCreateProgram(ctypes.byref(prog), code, fname.encode(), 0, None, None):
-            raise RuntimeError(f"nvrtcCreateProgram failed for {fname}")
-        try:
-            for k in names:
-                for t in ("float", "double"):
-                    lib.nvrtcAddNameExpression(prog, f"{k}<{t}>".encode())
-            status = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
-            size = ctypes.c_size_t()
-            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-            log = ctypes.create_string_buffer(size.value)
-            lib.nvrtcGetProgramLog(prog, log)
-            text = log.value.decode(errors="replace")
-        finally:
-            lib.nvrtcDestroyProgram(ctypes.byref(prog))
-        if status != 0 or "warning" in text.lower():
-            raise RuntimeError(f"NVRTC rejected {fname} (status {status}):\n{text}")
-        logs[fname] = text
+    try:
+        for fname, names in KERNEL_FILES.items():
+            exprs = [f"{k}<{t}>" for k in names for t in ("float", "double")]
+            log = io.StringIO()
+            try:
+                binary, mapping = compiler.compile_using_nvrtc(
+                    module_source(fname), options=raw_module_options(geometry) + ("-ftz=true",),
+                    arch=str(arch), filename=fname, name_expressions=exprs, log_stream=log)
+            except compiler.CompileException as exc:
+                raise RuntimeError(f"NVRTC rejected {fname}:\n{exc}") from None
+            text = log.getvalue()
+            unresolved = [e for e in exprs if not (mapping or {}).get(e)]
+            if "warning" in text.lower() or unresolved or not binary:
+                raise RuntimeError(f"NVRTC: {fname}: unresolved {unresolved}:\n{text}")
+            logs[fname] = text
+    finally:
+        compiler._get_arch_for_options_for_nvrtc = lookup
     return logs

@@ -15,6 +15,7 @@ import tempfile
 import numpy as np
 
 from . import kernel_dir
+from .._config import cache_root
 from ..errors import MGNNError
 
 #: Tiny tiles so that small test inputs span several blocks and ragged edges (see common.cuh).
@@ -27,11 +28,10 @@ class EmulationBuildError(MGNNError, RuntimeError):
 
 
 def cache_dir():
-    """Folder of compiled emulation libraries: ``$MGNN_CACHE_DIR/host_emulation`` or
-    ``~/.cache/mgnn/host_emulation``."""
-    root = os.environ.get("MGNN_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache",
-                                                            "mgnn")
-    return os.path.join(root, "host_emulation")
+    """Folder of compiled emulation libraries: ``host_emulation`` under
+    :func:`mgnn._config.cache_root` (``$MGNN_CACHE_DIR``, ``$XDG_CACHE_HOME/mgnn`` or
+    ``~/.cache/mgnn``)."""
+    return os.path.join(cache_root(), "host_emulation")
 
 
 def emulation_source(files, kernels_of):

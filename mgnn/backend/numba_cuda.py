@@ -265,6 +265,40 @@ def _update_kernels(mul):
 _UPDATE = {dt: _update_kernels(mul) for dt, mul in _MUL.items()}
 
 
+def launch_signatures():
+    """Every kernel launch of this module with the Numba argument types the host wrappers pass.
+
+    The registry the PTX compile check (``tests/backend/test_numba_cuda.py``) compiles for sm_90
+    without a GPU; a ``cuda.jit`` kernel of the module missing from it fails that test. Arrays are
+    1-D C-contiguous views (:func:`_dev`), scalars NumPy scalars of the arrays' dtype, flags bool.
+
+    Returns
+    -------
+    dict
+        ``(kernel name, dtype name) -> (dispatcher, tuple of numba types)``.
+    """
+    from numba import types
+    from numba.np.numpy_support import from_dtype
+
+    out = {}
+    part, flag = types.Array(types.float64, 1, "C"), types.boolean
+    for dt in _FLOATS:
+        s = from_dtype(dt)
+        a = types.Array(s, 1, "C")
+        axpy_k, sgd_k, adam_k = _UPDATE[dt]
+        for name, kernel, sig in (
+                ("residual", _residual_kernel, (a, a, a, flag, a, part)),
+                ("sq_norm", _sq_norm_kernel, (a, part)),
+                ("fas_rhs", _fas_rhs_kernel, (a, a, a)),
+                ("correct", _correct_kernel, (a, a, a, a)),
+                ("add", _add_kernel, (a, a, a)),
+                ("axpy", axpy_k, (s, a, a)),
+                ("sgd", sgd_k, (a, a, a, s, s, s, flag, flag, flag)),
+                ("adam", adam_k, (a, a, a, a) + (s,) * 8 + (flag,))):
+            out[name, dt.name] = (kernel, sig)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # host side
 # ---------------------------------------------------------------------------------------------

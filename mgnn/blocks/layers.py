@@ -3,7 +3,7 @@
 Every layer kind is a small stateless description (sizes, activation); arrays and the backend module
 ``bk`` (see :mod:`mgnn.backend`) are passed to each call. Parameters are dicts ``{"weight", "bias"}``.
 
-Step kinds (the residual functions ``F`` of DESIGN.md section 1) act on a state ``u`` with a step
+Step kinds (the residual functions ``F`` of docs/design.md, "Mathematics") act on a state ``u`` with a step
 size ``h``: ``u_next = u + h F(u; W, b)``. Opening kinds map the input batch to the state ``u_0``;
 closing kinds map ``u_N`` to the logits.
 """

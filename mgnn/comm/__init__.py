@@ -1,10 +1,12 @@
 """The only place that calls mpi4py: communicator layout, typed halo messages, reductions,
-failure handling and per-phase timers. Serial runs (``comm=None``) never import mpi4py.
+failure handling, per-phase timers and the BLAS/Numba threads of each rank. Serial runs
+(``comm=None``) never import mpi4py.
 """
-from .halo import Halo, SerialHalo, make_halo
+from .halo import Halo, SerialHalo, make_halo, wait_request
 from .device import (DeviceHalo, cuda_aware_mpi, make_device_halo,  # noqa: F401 (re-export)
                      select_device)
 from .layout import Layout, abort_on_error, agree_on_errors
+from .threads import configure_threads, describe as describe_threads
 
 __all__ = ["Halo", "SerialHalo", "make_halo", "Layout", "abort_on_error",
-           "agree_on_errors"]
+           "agree_on_errors", "configure_threads", "describe_threads", "wait_request"]

@@ -1,6 +1,6 @@
 """Halo messages of device (GPU) array states: CUDA-aware MPI, or staged through pinned memory.
 
-DESIGN.md section 3: on the GPU the message buffers are device arrays handed to MPI directly when
+docs/design.md, "Parallel layout": on the GPU the message buffers are device arrays handed to MPI directly when
 the loaded MPI library is CUDA-aware (decided at run time by :func:`cuda_aware_mpi`), otherwise
 they are staged through pinned host buffers; the CUDA stream is synchronised before MPI touches a
 buffer.
@@ -209,6 +209,7 @@ class DeviceHalo:
         self._send_host = {}    # (shape, dtype) -> free pinned buffers
 
     rank = property(lambda self: self.halo.rank)
+    reduce_rank = property(lambda self: self.halo.reduce_rank)
     size = property(lambda self: self.halo.size)
     comm = property(lambda self: self.halo.comm)
 

@@ -1,4 +1,5 @@
 """Typed, tagged, nonblocking boundary messages between layer neighbours, with wait timers."""
+import os
 import time
 
 import numpy as np
@@ -11,6 +12,25 @@ TAGS = {"f_relax": 1, "c_relax": 2, "residual": 3, "fas_rhs": 4, "coarsest": 5, 
 def tag(name, level=0):
     """Integer tag of message kind ``name`` on ``level``."""
     return TAGS[name] + 16 * level
+
+
+def wait_request(request):
+    """Complete an MPI request (or anything with ``Wait``) by polling ``Test``, so that a signal
+    (Ctrl-C) is handled as soon as it arrives: Python runs signal handlers only between
+    bytecodes, never inside a blocking ``MPI_Wait``. Yields the CPU while polling (ranks may
+    share cores)."""
+    test = getattr(request, "Test", None)
+    if test is None:
+        request.Wait()
+        return
+    spins = 0
+    while not test():
+        spins += 1
+        if spins > 32:
+            _yield()
+
+
+_yield = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))
 
 
 class SerialHalo:
@@ -27,6 +47,11 @@ class SerialHalo:
         self.timers = {"halo_wait": 0.0, "recv_wait": 0.0, "halo_total": 0.0, "allreduce": 0.0}
         self.reduce_comm = reduce_comm if reduce_comm is not None and \
             reduce_comm.Get_size() > 1 else None
+
+    @property
+    def reduce_rank(self):
+        """This rank's index in the reduction communicator (0 when there is none)."""
+        return 0 if self.reduce_comm is None else self.reduce_comm.Get_rank()
 
     def allreduce_sum(self, value):
         """Sum of a float over the ranks of the reduction communicator."""
@@ -84,7 +109,7 @@ class Halo(SerialHalo):
         computation.
         """
         t0 = time.perf_counter()
-        pending[0].Wait()
+        wait_request(pending[0])
         t1 = time.perf_counter()
         self.timers["halo_wait"] += t1 - t0
         if len(pending) == 3:

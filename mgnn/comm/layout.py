@@ -1,6 +1,9 @@
 """Splitting the user's communicator into layer groups x data replicas; failure handling."""
 import contextlib
+import os
+import signal
 import sys
+import time
 import traceback
 
 
@@ -48,23 +51,93 @@ class Layout:
         return self.layer_rank == self.layer_size - 1
 
 
+#: Exit status of a distributed run ended by an interrupt (128 + SIGINT, as a shell reports it).
+INTERRUPT_STATUS = 130
+
+
+def interrupt_behind(exc):
+    """``exc`` itself if it is a ``KeyboardInterrupt``; the ``KeyboardInterrupt`` a
+    ``SystemError`` was raised from (a Ctrl-C inside a Numba ``parallel=True`` kernel surfaces as
+    "SystemError: ... returned a result with an exception set"); else None."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt):
+            return exc
+        if not isinstance(exc, SystemError):
+            return None
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def exit_status(exc):
+    """The non-zero status a distributed run ends with after ``exc`` on one rank: 130 for an
+    interrupt, the code of ``SystemExit(n)`` for n in 1..255, else 1 (``sys.exit()`` or
+    ``sys.exit(0)`` on one rank is still a failure of the run)."""
+    if interrupt_behind(exc) is not None:
+        return INTERRUPT_STATUS
+    code = getattr(exc, "code", None) if isinstance(exc, SystemExit) else None
+    return code if isinstance(code, int) and not isinstance(code, bool) and 0 < code < 256 else 1
+
+
+def _ignore_interrupts():
+    """Ignore SIGINT from now on (main thread only): nothing may stop an abort under way."""
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except (ValueError, OSError, AttributeError):  # not the main thread / no such signal
+        pass
+
+
 @contextlib.contextmanager
-def abort_on_error(comm, what="mgnn"):
-    """On an exception inside the block, report it with the rank and abort every rank of ``comm``
-    (``comm.Abort(1)``), so no rank hangs waiting for a message; serial runs just re-raise."""
+def abort_on_error(comm, what="mgnn", collective=()):
+    """End every rank of ``comm`` when the block raises anything on one rank.
+
+    Any exception, ``KeyboardInterrupt`` (Ctrl-C) and ``SystemExit`` (``sys.exit`` in a user
+    propagator) included, is reported with the rank and ends every rank of ``comm`` with
+    ``comm.Abort(status)``, status from :func:`exit_status` (never 0), so no rank is left waiting
+    for a message. SIGINT is ignored while aborting, so a second Ctrl-C cannot interrupt it.
+    Serial runs (``comm`` None or of size 1) re-raise. Either way an interrupt inside a Numba
+    kernel is reported as a ``KeyboardInterrupt``, not as the ``SystemError`` it surfaces as.
+
+    ``collective``: exception types that every rank raises at the same point (e.g. an MGRIT
+    divergence seen in an all-reduced residual); they are re-raised on every rank instead, so the
+    caller can report them with context.
+    """
     try:
         yield
     except BaseException as exc:
-        if comm is None or comm.Get_size() == 1 or isinstance(exc, (KeyboardInterrupt,
-                                                                     SystemExit)):
+        if comm is None or comm.Get_size() == 1 or (collective and isinstance(exc, collective)):
+            if isinstance(exc, SystemError) and interrupt_behind(exc) is not None:
+                raise KeyboardInterrupt().with_traceback(exc.__traceback__) from None
             raise
+        _abort(comm, exc, what)
+
+
+def _abort(comm, exc, what, grace_s=10.0):
+    """Report ``exc`` on stderr with the rank, then ``comm.Abort`` (even if reporting fails or
+    is interrupted). Never returns: MPICH's Abort returns while its launcher ends the job, so
+    this rank waits up to ``grace_s`` for that, then ends itself with the same status."""
+    _ignore_interrupts()
+    status = exit_status(exc)
+    try:
         rank = comm.Get_rank()
-        sys.stderr.write(f"{what}: rank {rank}: {type(exc).__name__}: {exc}\n"
-                         f"{''.join(traceback.format_exception(exc)[-3:])}"
-                         f"{what}: rank {rank}: aborting all {comm.Get_size()} ranks\n")
+        if interrupt_behind(exc) is not None:  # where it was interrupted, not a SystemError
+            tb = traceback.format_list(traceback.extract_tb(exc.__traceback__)[-1:])
+            report = f"{what}: rank {rank}: KeyboardInterrupt (interrupted)\n{''.join(tb)}"
+        else:
+            report = (f"{what}: rank {rank}: {type(exc).__name__}: {exc}\n"
+                      f"{''.join(traceback.format_exception(exc)[-3:])}")
+        sys.stderr.write(f"{report}{what}: rank {rank}: aborting all {comm.Get_size()} ranks "
+                         f"(exit status {status})\n")
         sys.stderr.flush()
-        comm.Abort(1)
-        raise  # Abort should not return; if it does, the error must not be swallowed
+        sys.stdout.flush()
+    except BaseException:  # noqa: B036 -- a broken stderr or a late signal must not stop Abort
+        pass
+    comm.Abort(status)
+    end = time.monotonic() + grace_s
+    while time.monotonic() < end:
+        time.sleep(0.05)
+    os._exit(status)
 
 
 def agree_on_errors(comm, error, extra=None):

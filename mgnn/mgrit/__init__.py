@@ -5,8 +5,10 @@ Never imports :mod:`mgnn.blocks`: networks plug in through the propagator protoc
 from .hierarchy import (cycle_critical_path, cycle_work, intervals, level_sizes,
                         solve_critical_path)
 from .options import MGRITOptions
-from .solver import DivergenceError, MGRITResult, MGRITSolver, hierarchy
+from .solver import (DivergenceError, MGRITResult, MGRITSolver, NotConvergedWarning,
+                     hierarchy)
 
-__all__ = ["MGRITOptions", "MGRITSolver", "MGRITResult", "DivergenceError", "level_sizes",
+__all__ = ["MGRITOptions", "MGRITSolver", "MGRITResult", "DivergenceError",
+           "NotConvergedWarning", "level_sizes",
            "intervals", "cycle_work", "hierarchy", "cycle_critical_path",
            "solve_critical_path"]

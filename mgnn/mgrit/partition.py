@@ -7,6 +7,7 @@ the step out of i (push propagators) or the step into i (pull propagators, see
 :class:`mgnn.mgrit.MGRITSolver`).
 """
 import bisect
+import numbers
 from dataclasses import dataclass
 
 
@@ -38,6 +39,7 @@ class Partition:
     Attributes
     ----------
     n_steps : int
+        N (a NumPy integer is accepted).
     starts : tuple of int
         First fine index of each block, ascending, starts[0] == 0.
     ranks : tuple of int
@@ -49,6 +51,10 @@ class Partition:
     ranks: tuple
 
     def __post_init__(self):
+        n = self.n_steps
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
+            raise ValueError(f"Partition n_steps must be an int >= 1, got {n!r}")
+        object.__setattr__(self, "n_steps", int(n))
         st, rk = tuple(self.starts), tuple(self.ranks)
         if len(st) != len(rk) or not st:
             raise ValueError(f"Partition needs one rank per block: starts {st}, ranks {rk}")

@@ -1,11 +1,11 @@
-"""Multilevel FAS MGRIT over a propagator (XBraid's definitions; DESIGN.md section 2), serial or
+"""Multilevel FAS MGRIT over a propagator (XBraid's definitions; docs/design.md, "MGRIT"), serial or
 distributed over the ranks of a communicator.
 
 The solver only calls ``propagator.step(u, start, stop, level)`` (state at fine index ``stop`` from
-``u`` at fine index ``start``) and array arithmetic (``+``, ``-``, ``*``, ``sum``), so it works for
-any array state and any time stepper.
+``u`` at fine index ``start``) and array arithmetic (``+``, ``-``, ``*``, ``sum``, ``copy``), so it
+works for any array state and any time stepper (the contract: :class:`MGRITSolver`).
 
-Distribution (DESIGN.md section 3): fine indices are block-distributed (:mod:`.partition`); every
+Distribution (docs/design.md, "Parallel layout"): fine indices are block-distributed (:mod:`.partition`); every
 level's relaxation, restriction, correction and residual run on the points each rank owns. Where a
 sweep crosses a rank boundary the left rank sends one boundary value to the right: the step result
 ``Phi(u_last)`` for a *push* propagator (the default: the owner of fine index i computes the step
@@ -16,7 +16,9 @@ sent first, interior work overlaps the messages, and the halo is waited for only
 The coarsest level is solved sequentially across ranks.
 """
 import math
+import numbers
 import time
+import warnings
 from dataclasses import dataclass, field
 
 from ..backend import vector_ops
@@ -32,30 +34,44 @@ class DivergenceError(MGNNError, FloatingPointError):
     """The MGRIT residual became NaN or infinite."""
 
 
+class NotConvergedWarning(RuntimeWarning):
+    """A solve with ``tol > 0`` used its ``max_iter`` cycles without reaching ``tol``
+    (:attr:`MGRITOptions.warn_not_converged`)."""
+
+
 @dataclass
 class MGRITResult:
     """Outcome of :meth:`MGRITSolver.solve`.
 
     residuals : list of float  -- XBraid's r_k (level-0 C-points, t = 0 excluded), on every rank
     iterations : int           -- cycles performed
+    converged : bool           -- the last r_k < tol (every rank alike); True for one level
+                                  (sequential stepping is exact), never with tol = 0
+    tol : float                -- the tolerance used (MGRITOptions.for_dtype of u0's dtype)
     final : array or None      -- state at fine index N (on the rank owning it; None elsewhere)
-    states : list              -- length N+1: this rank's states at their fine indices, None elsewhere
-    timings : dict             -- seconds in steps, halo waits, allreduce, and in total
+    states : list              -- length N+1: this rank's states at their fine indices (None
+                                  elsewhere)
+    timings : dict             -- seconds in steps (with the private copies of a propagator
+                                  without fresh_outputs), halo waits, allreduce, and in total
     """
 
     residuals: list = field(default_factory=list)
     iterations: int = 0
+    converged: bool = False
+    tol: float = 0.0
     final: object = None
     states: list = None
     timings: dict = field(default_factory=dict)
 
 
 def hierarchy(n_steps, options):
-    """Intervals per level for ``n_steps`` under ``options``; ValueError naming the values if
-    ``n_steps`` is not a positive int or too small for a coarse level when levels were asked."""
+    """Intervals per level for ``n_steps`` (an int, NumPy's included) under ``options``;
+    ValueError naming the values if ``n_steps`` is not a positive int or too small for a coarse
+    level when levels were asked."""
     o = options
-    if isinstance(n_steps, bool) or not isinstance(n_steps, int) or n_steps < 1:
+    if isinstance(n_steps, bool) or not isinstance(n_steps, numbers.Integral) or n_steps < 1:
         raise ValueError(f"n_steps must be an int >= 1, got {n_steps!r}")
+    n_steps = int(n_steps)
     sizes = level_sizes(n_steps, o.cf, o.max_levels, o.min_coarse)
     if o.max_levels > 1 and len(sizes) == 1:
         raise ValueError(f"n_steps={n_steps} is too small for MGRIT with cf={o.cf} and "
@@ -75,6 +91,18 @@ class _PointByPoint:
         if name.endswith("_batch"):
             return getattr(self._loops, name).__get__(self)
         return getattr(self._ops, name)
+
+
+def _family(x):
+    """The array library of ``x`` ('numpy', 'cupy', ...): the top package of its type."""
+    return type(x).__module__.partition(".")[0]
+
+
+def _describe(v):
+    if v is None:
+        return "None"
+    return (f"{_family(v)} {type(v).__name__} of shape {getattr(v, 'shape', None)} and dtype "
+            f"{getattr(v, 'dtype', None)}")
 
 
 class _Done:
@@ -98,21 +126,51 @@ class _Level:
 class MGRITSolver:
     """FAS MGRIT cycles over ``propagator`` for ``n_steps`` fine steps.
 
+    The propagator contract (checked where it can be, cheaply, on every level, serial or not):
+
+    * ``step(u, start, stop, level)`` returns the state at fine index ``stop`` from ``u``, the
+      state at fine index ``start``. ``level`` is the MGRIT level, 0 the finest; level l keeps
+      the fine indices j cf^l, j = 0 .. N // cf^l, so a level-l step spans
+      ``stop - start = cf**level`` fine steps (the propagator chooses the coarse discretisation,
+      e.g. step size (stop - start) h with the parameters of layer ``start``).
+    * It returns an array of u0's kind (array library), shape and dtype: never None, a list or a
+      cast. Anything else is a TypeError naming the call, e.g. ``Prop.step(u, 8, 12, level=2)
+      returned numpy ndarray of shape (3,) and dtype float32, but u0 is ...``, the same text in
+      serial and distributed solves.
+    * In place is allowed: by default ``step`` gets a private copy of the solver's state, so it
+      may update ``u`` and return it (``u *= a; return u``) or return a new array; the caller's
+      ``u0`` and initial guesses are never modified. It must not return an array it keeps and
+      reuses (an output buffer): the solver keeps every returned array as a state (returning
+      the buffer the solver holds for ``start`` is caught). Cost: one copy of the state per step.
+    * Optional attributes:
+
+      ``fresh_outputs = True``: a promise that ``step`` never modifies ``u`` (nor ``rhs``) and
+      returns a new array no one else holds; the solver then passes its own states (no copy)
+      and adds FAS right-hand sides into the returned arrays in place. Returning ``u`` itself
+      is a TypeError. mgnn's network propagators declare it.
+
+      ``pull = True``: across a rank boundary the left rank sends its last state u_{b-1} and
+      the right rank computes the step into its first point (the default *push*: the owner of
+      fine index i computes the step out of i and sends Phi(u_{b-1})); same results, only who
+      computes the boundary step (whose parameters are needed where) changes.
+
+      ``batched = True`` with ``step_batch(us, starts, stops, level)``: a list with one state
+      per ``us[p]`` (``starts[p]`` to ``stops[p]``, all on one level); the rules of ``step``
+      hold for each (private copies unless ``fresh_outputs``; every output checked).
+      Interval-batched relaxation: one call advances every F-interval of this rank by one step,
+      so a relaxation sweep costs cf calls instead of one per point (one kernel launch each on
+      a GPU); the residual and FAS right-hand-side steps of a level become one call each.
+
+      ``fused_rhs = True`` (with ``batched``): ``step_batch(us, starts, stops, level, rhs)``
+      returns ``[Phi(us[p]) + rhs[p]]`` (one launch instead of two; single points with a
+      right-hand side go through it too); ``rhs`` is read-only.
+
     Parameters
     ----------
     propagator : object with ``step(u, start, stop, level)``
-        Optional attributes: ``pull`` (bool, see the module notes), ``fresh_outputs`` (bool:
-        every step returns a new array the solver may update in place, saving a copy per
-        coarse-level step), and ``batched`` (bool) with ``step_batch(us, starts, stops, level)``
-        (a list of the steps of the states ``us``, all of one level): interval-batched
-        relaxation, where one call advances every F-interval of this rank by one step, so a
-        relaxation sweep costs cf calls instead of one per point (one kernel launch each on a
-        GPU); the residual and FAS right-hand-side steps of a level become one call each. With
-        ``fused_rhs = True``, ``step_batch(us, starts, stops, level, rhs)`` also adds the
-        right-hand sides ``rhs[p]`` (one launch instead of two; single points go through it too
-        when they have a right-hand side).
+        See the contract above.
     n_steps : int
-        N (fine indices 0..N).
+        N (fine indices 0..N); a NumPy integer is accepted.
     options : MGRITOptions
     comm : mpi4py communicator or None
         The ranks that share the layers (None or size 1: serial). Every rank constructs the
@@ -150,6 +208,7 @@ class MGRITSolver:
             raise TypeError(f"options must be MGRITOptions, got {type(self.options).__name__}")
         o = self.options
         self.sizes = hierarchy(n_steps, o)
+        n_steps = self.sizes[0]
         self.prop, self.n_steps = propagator, n_steps
         self.pull = bool(getattr(propagator, "pull", False))
         self.fresh = bool(getattr(propagator, "fresh_outputs", False))
@@ -180,11 +239,14 @@ class MGRITSolver:
 
     # ---------------------------------------------------------------------------- primitives
     def _phi(self, u, j, lev):
-        """Step out of level point j (fine index j s) to point j+1."""
+        """Step out of level point j (fine index j s) to point j+1 (checked; ``u`` untouched)."""
         s = self.levels[lev].s
         t0 = time.perf_counter()
-        out = self.prop.step(u, j * s, (j + 1) * s, lev)
+        out = self.prop.step(u if self.fresh else u.copy(), j * s, (j + 1) * s, lev)
         self._step_seconds += time.perf_counter() - t0
+        t = self._template  # the common case inline: a step costs ~1 us in Python already
+        if type(out) is not type(t) or out.shape != t.shape or out.dtype != t.dtype or out is u:
+            self._checked(out, u, j * s, (j + 1) * s, lev, "step")
         return out
 
     def _phi_batch(self, states, js, lev, rhs=None):
@@ -195,26 +257,50 @@ class MGRITSolver:
         if not self.batched or (len(js) == 1 and rhs is None):
             return [self._phi(u, j, lev) for u, j in zip(states, js)]
         s = self.levels[lev].s
+        starts, stops = [j * s for j in js], [(j + 1) * s for j in js]
         t0 = time.perf_counter()
-        args = (states, [j * s for j in js], [(j + 1) * s for j in js], lev)
+        args = (states if self.fresh else [u.copy() for u in states], starts, stops, lev)
         out = self.prop.step_batch(*args) if rhs is None else self.prop.step_batch(*args, rhs)
         self._step_seconds += time.perf_counter() - t0
+        if out is None or len(out) != len(js):
+            raise TypeError(f"{type(self.prop).__name__}.step_batch(us, starts, stops, "
+                            f"level={lev}) returned {_describe(out)} for {len(js)} states: it "
+                            "must return a list of one state per u")
+        return [self._checked(v, u, a, b, lev, "step_batch")
+                for v, u, a, b in zip(out, states, starts, stops)]
+
+    def _checked(self, out, u, start, stop, lev, method):
+        """``out``, what ``method`` returned for the solver's state ``u``; TypeError unless it is
+        an array of u0's kind, shape and dtype (MPI would silently truncate or half-fill a wrong
+        one, serial arithmetic would cast) that the solver may keep."""
+        self._check_state(out, lambda: f"{type(self.prop).__name__}.{method}(u, {start}, {stop}, "
+                                        f"level={lev}) returned")
+        if out is u:
+            if self.fresh:
+                raise TypeError(
+                    f"{type(self.prop).__name__}.{method}(u, {start}, {stop}, level={lev}) "
+                    "returned the u it was given, but the propagator declares fresh_outputs = "
+                    "True (a new array every step, u untouched): return a new array, or drop "
+                    "fresh_outputs (the solver then hands step a private copy of u)")
+            raise TypeError(
+                f"{type(self.prop).__name__}.{method}(u, {start}, {stop}, level={lev}) returned "
+                f"the array the solver holds as the state at fine index {start} (an output "
+                "buffer reused across calls?): return a new array, or the u it was given")
         return out
 
-    def _boundary_value(self, U, lev):
-        """What the right neighbour receives: Phi(u_{b-1}) (push) or u_{b-1} (pull), checked
-        against the state's shape and dtype (MPI would silently truncate or half-fill)."""
-        b = self.levels[lev].b
-        v = U[b - 1] if self.pull else self._phi(U[b - 1], b - 1, lev)
-        self._check_state(v, f"the state sent from point {b - 1} of level {lev}")
-        return v
-
     def _check_state(self, v, what):
+        """TypeError unless ``v`` is an array of u0's library, shape and dtype; ``what()`` names
+        where it came from (built only for the message)."""
         t = self._template
-        if getattr(v, "shape", None) != t.shape or getattr(v, "dtype", None) != t.dtype:
-            raise TypeError(f"{what} has shape {getattr(v, 'shape', None)} and dtype "
-                            f"{getattr(v, 'dtype', type(v).__name__)}, but u0 has {t.shape} "
-                            f"{t.dtype}: every state must match u0 (no silent casts)")
+        if ((type(v) is not type(t) and _family(v) != _family(t))
+                or getattr(v, "shape", None) != t.shape or getattr(v, "dtype", None) != t.dtype):
+            raise TypeError(f"{what()} {_describe(v)}, but u0 is {_describe(t)}: every state "
+                            "must match u0 (no silent casts)")
+
+    def _boundary_value(self, U, lev):
+        """What the right neighbour receives: Phi(u_{b-1}) (push) or u_{b-1} (pull)."""
+        b = self.levels[lev].b
+        return U[b - 1] if self.pull else self._phi(U[b - 1], b - 1, lev)
 
     def _from_left(self, msg, lev):
         """Phi(u_{a-1}) from the left neighbour's message."""
@@ -407,8 +493,24 @@ class MGRITSolver:
         Returns
         -------
         MGRITResult
+            ``converged`` says whether ``tol`` was reached (the tolerance used is
+            ``options.for_dtype(u0.dtype).tol``: the default is adapted to float32, an explicit
+            one below what the dtype resolves is a ValueError). With ``tol > 0`` a budget that
+            ran out also warns (:class:`NotConvergedWarning`, on the first rank only) unless
+            ``options.warn_not_converged`` is False.
+
+        Raises
+        ------
+        TypeError
+            ``u0``, an initial guess or a step output that is not a state like u0.
+        DivergenceError
+            The residual became NaN or infinite.
         """
-        with abort_on_error(self.comm if self.abort else None, "mgnn MGRIT"):
+        if hasattr(u0, "dtype"):  # the same on every rank: raised alike, before any message
+            self.options.for_dtype(u0.dtype)
+        # a divergence is seen in the residual summed over every rank: raised on all alike
+        with abort_on_error(self.comm if self.abort else None, "mgnn MGRIT",
+                            collective=(DivergenceError,)):
             return self._solve(u0, initial_guess)
 
     def _solve(self, u0, initial_guess):
@@ -417,24 +519,25 @@ class MGRITSolver:
         self.halo.timers.update(halo_wait=0.0, recv_wait=0.0, halo_total=0.0, allreduce=0.0)
         if "staging" in self.halo.timers:
             self.halo.timers["staging"] = 0.0
-        o, N = self.options, self.n_steps
+        N = self.n_steps
+        if not hasattr(u0, "shape") or not hasattr(u0, "dtype"):
+            raise TypeError(f"u0 must be an array, got {type(u0).__name__}")
+        o = self.options.for_dtype(u0.dtype)
         self._template = u0
         L0 = self.levels[0]
         U = [None] * (N + 1)
-        if not hasattr(u0, "shape") or not hasattr(u0, "dtype"):
-            raise TypeError(f"u0 must be an array, got {type(u0).__name__}")
         for c in range(-(-L0.a // o.cf) * o.cf, L0.b, o.cf):
             if c == 0:
                 U[0] = u0
             elif initial_guess is not None:
                 U[c] = initial_guess(c)
-                self._check_state(U[c], f"initial_guess({c})")
+                self._check_state(U[c], lambda: f"initial_guess({c}) returned")
             else:
                 U[c] = u0 * 0
-        result = MGRITResult()
+        result = MGRITResult(tol=float(o.tol))
         if len(self.sizes) == 1:
             self._update(0, U, None, lambda j: True, "coarsest")
-            result.iterations = 1
+            result.iterations, result.converged = 1, True
         else:
             for k in range(o.max_iter):
                 skip = o.skip_downcycle and k == 0
@@ -446,8 +549,16 @@ class MGRITSolver:
                     result.residuals.append(r)
                 result.iterations = k + 1
                 if not skip and result.residuals[-1] < o.tol:
+                    result.converged = True
                     break
             self._f_relax(U, None, 0, "final")
+            if not result.converged and o.tol > 0 and o.warn_not_converged and \
+                    self.halo.reduce_rank == 0:  # once per solve, not once per replica
+                warnings.warn(f"MGRIT did not reach tol={o.tol:.3g} in max_iter={o.max_iter} "
+                              f"cycles (n_steps={N}): the states are inexact (see "
+                              "MGRITResult.residuals and .converged; raise max_iter, or set "
+                              "MGRITOptions.warn_not_converged=False for a fixed budget)",
+                              NotConvergedWarning, stacklevel=3)
         result.final = U[N] if L0.a <= N < L0.b else None
         result.states = U
         total = time.perf_counter() - t_start

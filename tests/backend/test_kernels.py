@@ -71,9 +71,10 @@ def test_dense_kernels(backend, dtype, act, residual, rng):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("store", [True, False])
-def test_dense_sweeps(backend, dtype, act, store, rng):
+@pytest.mark.parametrize("shape", [(6, 4, 5), (3, 128, 16)])  # B w >= WIDE_TANH_F32: NumPy tanh
+def test_dense_sweeps(backend, dtype, act, store, shape, rng):
     bk = _backend(backend)
-    N, B, w = 6, 4, 5
+    N, B, w = shape
     W = (_rand(rng, (N, w, w), dtype) * 0.5).astype(dtype)
     b = _rand(rng, (N, w), dtype)
     h = np.dtype(dtype).type(0.2)

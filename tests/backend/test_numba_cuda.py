@@ -1,6 +1,7 @@
 """The Numba CUDA kernels of mgnn.backend.numba_cuda: every kernel x dtype against the NumPy
 references under the CUDA simulator (a subprocess: the simulator is chosen when numba.cuda is
 imported), the import on a machine without a GPU, and the same cases on a real GPU."""
+import json
 import os
 import re
 import subprocess
@@ -73,6 +74,32 @@ def test_kernels_compile_on_numpy_without_row_stack():
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert proc.stdout.split() == ["True", "False"], proc.stdout
+
+
+def _ptx_cases(*args):
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    proc = subprocess.run([sys.executable, "-m", "tests.backend.ptx_cases", *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_every_kernel_compiles_to_sm90_ptx():
+    """The real Numba CUDA compiler (no GPU): every kernel x dtype of the launch registry to
+    sm_90 PTX, assembled by nvJitLink (no spills, <= 64 registers: 1024-thread blocks need
+    <= 64); every cuda.jit kernel of the module is in the registry."""
+    import mgnn.backend.numba_cuda as nc
+    out = _ptx_cases()
+    assert out["missing"] == [], f"kernels missing from launch_signatures(): {out['missing']}"
+    assert len(out["kernels"]) == len(nc.launch_signatures()) == 16
+    for name, row in out["kernels"].items():
+        assert row["target"] == "sm_90", (name, row)
+        assert row["spill_bytes"] == 0 and 0 < row["registers"] <= 64, (name, row)
+
+
+def test_the_ptx_check_fails_on_a_broken_kernel():
+    out = _ptx_cases("--broken")
+    assert out["broken"].startswith("TypingError"), out
 
 
 def test_host_arrays_fall_back_to_the_generic_ops(rng):

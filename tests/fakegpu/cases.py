@@ -18,6 +18,7 @@ from mgnn.backend import get_backend, numpy_ref as REF, to_host  # noqa: E402
 import mgnn.backend as _backend  # noqa: E402
 from mgnn.backend.cupy_raw import CupyLauncher, RawBackend  # noqa: E402
 from mgnn.backend.host_emulation import EMULATION_GEOMETRY  # noqa: E402
+from tests.test_device_inputs import DLPackOnly as _DLPackOnly  # noqa: E402
 
 _backend._instances["cuda"] = RawBackend(CupyLauncher(EMULATION_GEOMETRY), "cuda")
 
@@ -53,21 +54,8 @@ def test_backend_is_the_cupy_launcher_and_refuses_host_arrays(rng):
     np.testing.assert_allclose(g.get(), g_r, rtol=1e-12, atol=1e-15)
 
 
-class _DLPackOnly:
-    """An array from someone else's GPU code that speaks DLPack only."""
-
-    def __init__(self, a):
-        self.a = a
-
-    def __dlpack__(self, **kwargs):
-        return self.a.__dlpack__(**kwargs)
-
-    def __dlpack_device__(self):
-        return self.a.__dlpack_device__()
-
-
 @pytest.mark.parametrize("kind", ["dense", "conv"])
-@pytest.mark.parametrize("inputs", ["numpy", "cupy", "dlpack"])
+@pytest.mark.parametrize("inputs", ["numpy", "cupy", "dlpack-cpu", "dlpack-device"])
 def test_layer_parallel_on_the_device_equals_numba(kind, inputs, rng):
     x, y = _data(kind, rng)
     loss0, g0 = mgnn.LayerParallel(_model(kind), FWD, BWD, backend="numba").loss_and_grad(x, y)
@@ -75,8 +63,12 @@ def test_layer_parallel_on_the_device_equals_numba(kind, inputs, rng):
     lp = mgnn.LayerParallel(m, FWD, BWD, backend="cuda")
     assert isinstance(m.params.flat, cupy.ndarray)
     assert all(isinstance(v, cupy.ndarray) for v in m.params.values())
-    xi = {"numpy": x, "cupy": cupy.asarray(x), "dlpack": _DLPackOnly(x)}[inputs]
-    yi = cupy.asarray(y) if inputs == "cupy" else y
+    xd = cupy.asarray(x)
+    xi = {"numpy": x, "cupy": xd, "dlpack-cpu": _DLPackOnly(x),
+          "dlpack-device": _DLPackOnly(xd)}[inputs]
+    yi = cupy.asarray(y) if inputs in ("cupy", "dlpack-device") else y
+    if inputs in ("cupy", "dlpack-device"):  # device inputs are used where they are, no copy
+        assert np.shares_memory(lp.to_device(xi).view(np.ndarray), xd.view(np.ndarray))
     loss, g = lp.loss_and_grad(xi, yi)
     assert isinstance(loss, float) and isinstance(g.flat, cupy.ndarray)
     assert abs(loss - loss0) <= 1e-10 * abs(loss0)
@@ -130,3 +122,24 @@ def test_fit_checkpoint_and_resume_on_the_device(optimizer, rng, tmp_path):
     for k, v in fresh.params.items():
         assert isinstance(v, cupy.ndarray)
         np.testing.assert_allclose(to_host(v), ref["params"][k], rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_optimizer_warm_up_changes_nothing(optimizer, rng):
+    """warm_up() runs the device update on scratch copies: parameters, buffers and the step count
+    stay as they were, and the next steps equal the NumPy optimizer's."""
+    from mgnn.optim import SGD, Adam
+    p0 = rng.standard_normal(37)
+    make = (lambda p: SGD(p, lr=0.1, momentum=0.9)) if optimizer == "sgd" else \
+        (lambda p: Adam(p, lr=0.01, weight_decay=0.1))
+    ref, dev = make(p0.copy()), make(cupy.asarray(p0))
+    before = {k: to_host(v) for k, v in dev.state_dict().items()}
+    dev.warm_up()
+    assert dev.t == 0 and np.array_equal(to_host(dev.params), p0)
+    for k, v in dev.state_dict().items():
+        np.testing.assert_array_equal(to_host(v), before[k], err_msg=k)
+    for _ in range(2):
+        g = rng.standard_normal(37)
+        ref.step(g)
+        dev.step(cupy.asarray(g))
+    np.testing.assert_allclose(to_host(dev.params), ref.params, rtol=1e-13, atol=0)

@@ -46,6 +46,10 @@ class ndarray(np.ndarray):
     def data(self):
         return types.SimpleNamespace(ptr=self.ctypes.data)
 
+    def __dlpack_device__(self):
+        """A device array: (kDLCUDA, device 0), as CuPy reports."""
+        return (_DL_CUDA, 0)
+
 
 def _flat(seq):
     out = []
@@ -92,9 +96,30 @@ def asnumpy(a, out=None):
     return host
 
 
+_DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13
+
+
 def from_dlpack(a):
-    calls["to_device"] += 1  # a real one would be zero-copy; here it only has to work
-    return np.array(np.from_dlpack(a), copy=True).view(ndarray)
+    """Zero-copy import of a device-resident DLPack object; CPU-resident ones are refused with
+    CuPy 14's TypeError (CuPy imports CUDA, CUDA-managed and ROCm memory only)."""
+    kind = a.__dlpack_device__()[0]
+    if kind not in (_DL_CUDA, _DL_CUDA_MANAGED):
+        raise TypeError("CPU arrays cannot be directly imported to CuPy. Use "
+                        "`cupy.array(numpy.from_dlpack(input))` instead.")
+    return np.from_dlpack(_HostView(a)).view(ndarray)
+
+
+class _HostView:
+    """The fake device's memory is host memory: re-export a "device" DLPack object as CPU."""
+
+    def __init__(self, a):
+        self.a = a
+
+    def __dlpack__(self, **kwargs):
+        return self.a.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return (_DL_CPU, 0)
 
 
 def get_array_module(*args):

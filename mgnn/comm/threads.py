@@ -1,0 +1,176 @@
+"""Threads per rank: BLAS and Numba threads sized to the cores each node-local rank may use.
+
+Under MPI every rank would otherwise start one BLAS (OpenBLAS/MKL/BLIS) thread and one Numba
+thread per core of the node, so P ranks on a node run P x cores threads and a training step can
+be ten times slower than with one thread per rank. :func:`configure_threads` counts the ranks of
+the user's communicator that share this node (``Split_type(COMM_TYPE_SHARED)``) and the cores in
+this rank's CPU affinity, and gives each rank ``cores // ranks sharing them`` threads (at least
+one), through ``threadpoolctl`` for BLAS and ``numba.set_num_threads`` for Numba.
+
+The limits are process-wide (every BLAS call of the process, not only mgnn's, sees them) and
+stay after the call. Explicit settings win: a thread variable in the environment
+(``OPENBLAS_NUM_THREADS``/``GOTO_NUM_THREADS``/``OMP_NUM_THREADS`` for OpenBLAS,
+``MKL_NUM_THREADS``/``OMP_NUM_THREADS`` for MKL, ``BLIS_NUM_THREADS``/``OMP_NUM_THREADS`` for
+BLIS, ``NUMBA_NUM_THREADS`` or else ``OMP_NUM_THREADS`` for Numba) leaves that library as the
+user set it, an int ``threads`` sets every library to that count, and ``threads=None`` changes
+nothing.
+"""
+import numbers
+import os
+import sys
+
+from .layout import agree_on_errors
+
+# the variables each BLAS family reads when it loads (OpenBLAS: openblas_read_env)
+BLAS_VARS = {"openblas": ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS"),
+             "mkl": ("MKL_NUM_THREADS", "OMP_NUM_THREADS"),
+             "blis": ("BLIS_NUM_THREADS", "OMP_NUM_THREADS")}
+NUMBA_VARS = ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS")
+
+
+def check_threads(threads):
+    """``threads`` validated: None, 'auto' or an int >= 1 (TypeError/ValueError otherwise)."""
+    if threads is None or (isinstance(threads, str) and threads == "auto"):
+        return threads
+    if isinstance(threads, bool) or not isinstance(threads, numbers.Integral):
+        raise TypeError(f"threads must be None, 'auto' or an int >= 1, got {threads!r}")
+    if threads < 1:
+        raise ValueError(f"threads must be None, 'auto' or an int >= 1, got {threads!r}")
+    return int(threads)
+
+
+def affinity():
+    """The set of CPUs this process may run on (``os.sched_getaffinity``, else all CPUs)."""
+    try:
+        return set(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return set(range(os.cpu_count() or 1))
+
+
+def node_share(comm):
+    """Collective over ``comm``: (node-local ranks, ranks whose CPU affinity overlaps this
+    rank's, CPUs in this rank's affinity). Ranks bound to disjoint cores do not share them."""
+    mine = frozenset(affinity())
+    if comm is None or comm.Get_size() == 1:
+        return 1, 1, len(mine)
+    from mpi4py import MPI
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        masks = local.allgather(mine)
+    finally:
+        local.Free()
+    return len(masks), sum(1 for m in masks if m & mine) or 1, len(mine)
+
+
+def _env_int(environ, names):
+    """(name, count) of the first of ``names`` that ``environ`` sets to a count >= 1 (its leading
+    int, as the libraries read it: OMP_NUM_THREADS='4,2' is 4); (None, None) if none does."""
+    for name in names:
+        try:
+            n = int(environ.get(name, "").split(",")[0])
+        except ValueError:
+            continue
+        if n >= 1:
+            return name, n
+    return None, None
+
+
+def _blas_controllers(load_numba_blas):
+    """threadpoolctl controllers of every loaded BLAS; with ``load_numba_blas`` first load the
+    one Numba's np.dot calls (SciPy's, ``scipy.linalg.cython_blas``) so it is limited too."""
+    if load_numba_blas:
+        try:
+            import scipy.linalg.cython_blas  # noqa: F401
+        except ImportError:
+            pass
+    from threadpoolctl import ThreadpoolController
+    return ThreadpoolController().select(user_api="blas").lib_controllers
+
+
+def _numba(n=None, why=None, environ=None):
+    """Numba's thread count now and why, after setting it to ``n`` (capped at the
+    NUMBA_NUM_THREADS fixed at import) unless ``environ`` sets it; ``n`` None only reports
+    (None if Numba is not imported). Numba's count belongs to the calling thread."""
+    if n is None:
+        numba = sys.modules.get("numba")
+        return (None if numba is None else numba.get_num_threads()), why
+    import numba
+    var, value = _env_int(environ, NUMBA_VARS)
+    if var == "NUMBA_NUM_THREADS":
+        return numba.get_num_threads(), f"{var}={environ[var]}"
+    if var is not None:
+        n, why = value, f"{var}={environ[var]}"
+    top = numba.config.NUMBA_NUM_THREADS
+    if n > top:
+        n, why = top, f"{why}, capped at NUMBA_NUM_THREADS={top} fixed at import"
+    numba.set_num_threads(n)
+    return numba.get_num_threads(), why
+
+
+def configure_threads(comm=None, threads="auto", environ=None):
+    """Set this process's BLAS and Numba thread counts for a run on ``comm``.
+
+    Collective over ``comm`` when it has more than one rank (a bad ``threads`` raises on every
+    rank).
+
+    Parameters
+    ----------
+    comm : mpi4py communicator or None
+        The user's communicator; None or size 1 is a single process.
+    threads : None, 'auto' or int
+        'auto': under MPI, ``max(1, cores // ranks sharing them)`` per rank for every library the
+        environment does not set; a single process is left unchanged. int: that many threads for
+        BLAS and Numba, whatever the environment says. None: change nothing (only report).
+        Numba's count is set for the calling thread: train in the thread that calls this.
+    environ : mapping, optional
+        The environment to read (default ``os.environ``).
+
+    Returns
+    -------
+    dict
+        ``blas`` and ``numba``: the thread counts now in effect (None: library not loaded; BLAS:
+        the largest over the loaded BLAS libraries), ``blas_source``/``numba_source``: why, in
+        words, ``per_rank``: the automatic count (None when not used), ``local_ranks`` (ranks on
+        this node), ``sharing`` (ranks whose CPU affinity overlaps this rank's) and ``cores``
+        (CPUs in this rank's affinity).
+    """
+    environ = os.environ if environ is None else environ
+    err = None
+    try:
+        threads = check_threads(threads)
+    except (TypeError, ValueError) as exc:
+        err = exc
+    distributed = comm is not None and comm.Get_size() > 1
+    agree_on_errors(comm if distributed else None, err)
+    local, sharing, cores = node_share(comm if distributed else None)
+    info = {"per_rank": None, "local_ranks": local, "sharing": sharing, "cores": cores}
+    if threads is None or (threads == "auto" and not distributed):
+        why = "unchanged, threads=None" if threads is None else "unchanged, single process"
+        blas = [c.num_threads for c in _blas_controllers(False)]
+        numba, _ = _numba()
+        return dict(info, blas=max(blas, default=None), blas_source=why, numba=numba,
+                    numba_source=why)
+    if threads == "auto":
+        n = info["per_rank"] = max(1, cores // sharing)
+        why = f"auto: {cores} cores / {sharing} ranks sharing them"
+    else:
+        n, why, environ = threads, f"threads={threads}", {}
+    blas, blas_why = [], set()
+    for ctl in _blas_controllers(True):
+        var, _ = _env_int(environ, BLAS_VARS.get(ctl.internal_api, ("OMP_NUM_THREADS",)))
+        if var is None:
+            ctl.set_num_threads(n)
+        blas_why.add(why if var is None else f"{var}={environ[var]} ({ctl.internal_api})")
+        blas.append(ctl.num_threads)
+    numba, numba_why = _numba(n, why, environ)
+    return dict(info, blas=max(blas, default=None), numba=numba, numba_source=numba_why,
+                blas_source="; ".join(sorted(blas_why)) or "no BLAS loaded")
+
+
+def describe(info):
+    """One line for ``--timings``: what :func:`configure_threads` chose and why."""
+    def count(n):
+        return "not loaded" if n is None else n
+    return (f"threads per rank: BLAS {count(info['blas'])} ({info['blas_source']}), Numba "
+            f"{count(info['numba'])} ({info['numba_source']}); {info['local_ranks']} rank(s) on "
+            f"this node, {info['cores']} cores in this rank's affinity")

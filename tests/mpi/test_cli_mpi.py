@@ -1,0 +1,98 @@
+"""``python -m mgnn train`` under a real ``mpiexec -n 2``: input errors found before training are
+the serial run's one line on every rank (exit code 2, no traceback, no MPI_Abort), and a resumed
+``--warm-start`` run continues exactly."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from mgnn.train import load_checkpoint
+from tests.mpi.test_mpi import HAVE_MPI, MPIEXEC, REPO
+
+pytestmark = [pytest.mark.mpi,
+              pytest.mark.skipif(not HAVE_MPI, reason="mpi4py/mpiexec not installed")]
+
+ENV = dict(os.environ, NUMBA_NUM_THREADS="1", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
+           PYTHONPATH=REPO, PYTHONWARNINGS="ignore")
+SMALL = ["--data", "synthetic", "--layers", "8", "--width", "8", "--batch-size", "64",
+         "--dtype", "float64", "--no-progress", "--seed", "3"]
+
+
+def per_rank(tmp_path, *args, n=2, main=("-m", "mgnn")):
+    """Run ``python *main train *args`` on n ranks; [(exit code, stderr)] of each rank, and the
+    launcher's own CompletedProcess."""
+    cmd = (f'r=${{PMI_RANK:-$OMPI_COMM_WORLD_RANK}}; "$0" "$@" '
+           f'2>"{tmp_path}/err.$r"; c=$?; echo $c >"{tmp_path}/rc.$r"; exit $c')
+    proc = subprocess.run([MPIEXEC, "-n", str(n), "sh", "-c", cmd, sys.executable, *main,
+                           "train", *args],
+                          cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
+    return [(int((tmp_path / f"rc.{r}").read_text()), (tmp_path / f"err.{r}").read_text())
+            for r in range(n)], proc
+
+
+CASES = {
+    "missing data folder": (["--data", "mnist", "--data-dir", "/nonexistent/mnist"],
+                            "MNIST folder '/nonexistent/mnist' does not exist"),
+    "layer ranks vs coarse grid": (["--levels", "2", "--cf", "16"],
+                                   "2 layer ranks but --layers 8 with --cf 16 allow at most 1"),
+    "huge width": (["--width", "1000000000"], "--width 1000000000 and --batch-size 64"),
+    "bad flag": (["--epochs", "0"], "--epochs must be >= 1, got 0"),
+    "corrupt checkpoint": (["--resume", "{tmp}/bad.npz"], "{tmp}/bad.npz: not a readable mgnn"),
+    "checkpoint path is a folder": (["--checkpoint", "{tmp}"], "cannot write checkpoint {tmp}:"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_input_errors_are_one_line_on_every_rank(case, tmp_path):
+    args, message = CASES[case]
+    (tmp_path / "bad.npz").write_bytes(b"PK\x03\x04 truncated")
+    args = [a.format(tmp=tmp_path) for a in args]
+    ranks, proc = per_rank(tmp_path, *SMALL, *args)
+    lines = {err for _, err in ranks}
+    assert len(lines) == 1, ranks  # the same line on both ranks
+    line = lines.pop()
+    for rc, err in ranks:
+        assert rc == 2, ranks
+        assert err.count("\n") == 1 and err.startswith("mgnn: error: "), ranks
+        assert message.format(tmp=tmp_path) in err, ranks
+    assert proc.returncode == 2, proc.stderr
+    for text in (line, proc.stdout, proc.stderr):
+        assert "Traceback" not in text and "Abort" not in text and "BAD TERMINATION" not in text
+
+
+DISK_FULL = """
+import errno, os, sys
+import numpy as np
+from mgnn.__main__ import main
+def disk_full(f, **arrays):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+np.savez = disk_full  # only the first rank writes checkpoints
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_checkpoint_write_failure_during_training_is_one_line_on_every_rank(tmp_path):
+    path = tmp_path / "c.npz"
+    ranks, proc = per_rank(tmp_path, *SMALL, "--epochs", "1", "--checkpoint", str(path),
+                           main=("-c", DISK_FULL))
+    want = f"mgnn: error: cannot write checkpoint {path}: No space left on device\n"
+    assert ranks == [(2, want), (2, want)], ranks
+    assert "Abort" not in proc.stderr + proc.stdout
+    assert not path.exists() and not (tmp_path / ".c.npz.tmp").exists()
+
+
+def test_resume_with_warm_start_on_two_replicas_equals_the_uninterrupted_run(tmp_path):
+    """Warm-start states of both data replicas are checkpointed (as one global batch)."""
+    opts = [*SMALL, "--data-ranks", "2", "--levels", "2", "--cf", "2", "--fwd-iters", "1",
+            "--bwd-iters", "1", "--warm-start"]
+    full, part, res = (str(tmp_path / f) for f in ("full.npz", "part.npz", "res.npz"))
+    for args in (["--epochs", "2", "--checkpoint", full], ["--epochs", "1", "--checkpoint", part],
+                 ["--epochs", "2", "--resume", part, "--checkpoint", res]):
+        ranks, proc = per_rank(tmp_path, *opts, *args)
+        assert [rc for rc, _ in ranks] == [0, 0], ranks
+    a, b = load_checkpoint(full), load_checkpoint(res)
+    assert a["warm"]["batch"] == 64
+    for k in a["params"]:
+        np.testing.assert_array_equal(b["params"][k], a["params"][k], err_msg=k)

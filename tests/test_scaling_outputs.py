@@ -1,0 +1,87 @@
+"""Outputs of ``bench scaling``: file modes follow the umask, integer ticks, legends outside the
+panels, and no pipeline-against-MGRIT verdict on one rank (synthetic rows, no MPI)."""
+import os
+import stat
+
+import pytest
+
+pytest.importorskip("matplotlib")
+from mgnn import scaling  # noqa: E402
+
+BASE = dict(n_layers=64, width=16, batch=32, levels=3, cf=4, fwd_iters=2, bwd_iters=1)
+
+
+def _rows():
+    rows = []
+    for study, points in (("strong", [dict(ranks=P) for P in (1, 2, 4)]),
+                          ("sweep-levels", [dict(ranks=4, levels=L) for L in (2, 3)])):
+        for pt in points:
+            cfg = dict(BASE, **pt)
+            P = cfg["ranks"]
+            for key, t in (("serial", 1.0), ("layerwise", 1.1), ("pipeline-2", 0.1 + 0.8 / P),
+                           ("mgrit", 0.2 + 0.6 / P)):
+                if key == "layerwise" and P == 1:
+                    continue
+                rows.append(dict(cfg, study=study, key=key, method=key.split("-")[0],
+                                 micro_batches=2 if key.startswith("pipe") else 0, time_s=t,
+                                 exposed_halo_pct=0.0, predicted_s=t * 0.9,
+                                 oversubscribed=False))
+    return scaling.finish_rows(rows)
+
+
+@pytest.fixture
+def umask_027():
+    old = os.umask(0o027)
+    yield
+    os.umask(old)
+
+
+def test_files_follow_the_umask(tmp_path, umask_027):
+    rows = _rows()
+    pngs = scaling.write_outputs(str(tmp_path), rows, scaling.verdicts(rows),
+                                 {"forward, 3 levels": [1.0, 0.1, 0.01]}, {"cores": 2})
+    names = sorted(os.listdir(tmp_path))
+    assert names == ["parallel.png", "residuals.png", "scaling.csv", "scaling.json",
+                     "speedup.png", "time.png"], names  # no temporary file left over
+    for name in names:
+        assert stat.S_IMODE(os.stat(tmp_path / name).st_mode) == 0o640, name
+    assert len(pngs) == 4
+
+
+def _check_axes(fig, values):
+    import matplotlib.pyplot as plt
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for ax, xs in zip(fig.axes, values):
+        assert list(ax.get_xticks()) == xs
+        legend = ax.get_legend()
+        box, leg = ax.get_window_extent(renderer), legend.get_window_extent(renderer)
+        assert leg.x0 >= box.x1, "the legend overlaps the plotting area"
+    others = [a.get_window_extent(renderer) for a in fig.axes]
+    for ax in fig.axes:  # and no legend lies over a neighbouring panel
+        leg = ax.get_legend().get_window_extent(renderer)
+        assert not any(o.overlaps(leg) for o in others)
+    plt.close(fig)
+
+
+def test_integer_ticks_and_legends_outside():
+    fig = scaling.plot_metric(_rows(), "speedup", "speedup")
+    _check_axes(fig, [[1, 2, 4], [2, 3]][::-1] if fig.axes[0].get_title() != "strong"
+                else [[1, 2, 4], [2, 3]])
+    fig = scaling.plot_residuals({"forward": [1.0, 0.5, 0.1, 0.01], "adjoint": [1.0, 0.2]})
+    fig.canvas.draw()
+    ticks = [t for t in fig.axes[0].get_xticks() if 0 <= t <= 3]
+    assert ticks and all(float(t).is_integer() for t in ticks), ticks
+    leg = fig.axes[0].get_legend().get_window_extent(fig.canvas.get_renderer())
+    assert leg.x0 >= fig.axes[0].get_window_extent(fig.canvas.get_renderer()).x1
+
+
+def test_no_pipeline_verdict_on_one_rank():
+    rows = _rows()
+    ver = scaling.verdicts(rows)
+    text = scaling.format_table(rows, ver)
+    one = [line for line in text.splitlines() if " P=1 " in line]
+    assert one and not any("pipeline overtakes" in line for line in one), one
+    assert any("pipeline overtakes MGRIT at M=2" in line for line in text.splitlines()
+               if " P=4 " in line)
+    assert all(v["pipeline_overtakes_mgrit_at_M"] is None for v in ver if v["ranks"] == 1)
