@@ -33,6 +33,7 @@ class Layout:
         self.layer_size = size // data_ranks
         rank = 0 if comm is None else comm.Get_rank()
         self.rank, self.size = rank, size
+        abort_on_uncaught(comm)
         self.layer_rank, self.replica = rank % self.layer_size, rank // self.layer_size
         if comm is None or size == 1:
             self.layer_comm = self.data_comm = None
@@ -111,6 +112,34 @@ def abort_on_error(comm, what="mgnn", collective=()):
                 raise KeyboardInterrupt().with_traceback(exc.__traceback__) from None
             raise
         _abort(comm, exc, what)
+
+
+#: The communicator :func:`abort_on_uncaught` ends (the first one registered), or None.
+_UNCAUGHT = []
+
+
+def abort_on_uncaught(comm, what="mgnn"):
+    """From now on an exception that nothing catches, a Ctrl-C between two mgnn calls say, ends
+    every rank of ``comm`` as :func:`abort_on_error` does, instead of letting this rank finalize
+    MPI and exit while the others wait for it forever.
+
+    Chains to the previous ``sys.excepthook`` (the traceback is printed first), then aborts with
+    :func:`exit_status`. Installed once per process (by every distributed :class:`Layout` and
+    :class:`~mgnn.mgrit.MGRITSolver`); a no-op for ``None`` or a size-1 communicator. Exceptions
+    the program catches are not affected.
+    """
+    if comm is None or comm.Get_size() == 1 or _UNCAUGHT:
+        return
+    _UNCAUGHT.append(comm)
+    previous = sys.excepthook
+
+    def hook(kind, exc, tb):
+        try:
+            previous(kind, exc, tb)
+        finally:
+            _abort(comm, exc, what)
+
+    sys.excepthook = hook
 
 
 def _abort(comm, exc, what, grace_s=10.0):

@@ -22,7 +22,7 @@ import warnings
 from dataclasses import dataclass, field
 
 from ..backend import vector_ops
-from ..comm import abort_on_error, make_device_halo, make_halo
+from ..comm import abort_on_error, abort_on_uncaught, make_device_halo, make_halo
 from ..comm.halo import tag
 from ..errors import MGNNError
 from .hierarchy import level_sizes
@@ -216,6 +216,7 @@ class MGRITSolver:
             callable(getattr(propagator, "step_batch", None))
         self.fused_rhs = self.batched and bool(getattr(propagator, "fused_rhs", False))
         if comm is not None and comm.Get_size() > 1:
+            abort_on_uncaught(comm)  # an uncaught Ctrl-C between solves still ends every rank
             comm = comm.Dup()  # private context: MGRIT messages never meet the user's own
         self.comm = comm
         self.halo = (make_halo(comm, norm_comm) if xp is None else

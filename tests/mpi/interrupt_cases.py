@@ -8,7 +8,8 @@ failure). KIND: ``network`` (LayerParallel training steps on a tiny dense ResNet
 replicas) or ``solver`` (the user's own MGRITSolver and propagator on COMM_WORLD). ACTION:
 ``sigint`` (the test sends SIGINT to rank VICTIM) or ``keyboard`` / ``exit0`` / ``exit`` (once
 the test creates ``WORKDIR/go``, the propagator of rank VICTIM raises ``KeyboardInterrupt`` /
-calls ``sys.exit(0)`` / ``sys.exit()``).
+calls ``sys.exit(0)`` / ``sys.exit()``), or ``uncaught`` (rank VICTIM raises ``KeyboardInterrupt``
+between two steps, outside every mgnn call, and nothing catches it).
 """
 import os
 import sys
@@ -56,7 +57,7 @@ class Tanh:
 def main(workdir, kind, action, data_ranks, victim):
     _touch(os.path.join(workdir, f"pid.{RANK}"), str(os.getpid()))
     go = os.path.join(workdir, "go")
-    fails = action != "sigint" and RANK == victim
+    fails = action in ("keyboard", "exit0", "exit") and RANK == victim
     if kind == "solver":
         prop = Tanh(64)
         if fails:
@@ -81,6 +82,8 @@ def main(workdir, kind, action, data_ranks, victim):
     _touch(os.path.join(workdir, f"ready.{RANK}"))
     t0 = time.monotonic()
     while time.monotonic() - t0 < LIMIT:
+        if action == "uncaught" and RANK == victim and os.path.exists(go):
+            raise KeyboardInterrupt  # between two mgnn calls: nothing catches it
         step()
 
 

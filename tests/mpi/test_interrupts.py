@@ -60,7 +60,8 @@ def _run(tmp_path, kind, action, ranks, data_ranks, victim):
         try:
             rc = proc.wait(timeout=END_S)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"{kind} {action} on rank {victim} of {ranks}: the other ranks hang")
+            pytest.fail(f"{kind} {action} on rank {victim} of {ranks}: the other ranks hang; "
+                        f"stderr: {(tmp_path / 'err').read_text()[-3000:]}")
     finally:
         if proc.poll() is None:
             _kill_all(proc, tmp_path, ranks)
@@ -75,6 +76,8 @@ def _run(tmp_path, kind, action, ranks, data_ranks, victim):
     ("network", "keyboard", 4, 2, 3),
     ("solver", "exit0", 2, 1, 0),
     ("network", "exit", 4, 2, 1),
+    ("network", "uncaught", 2, 1, 1),
+    ("solver", "uncaught", 2, 1, 0),
 ])
 def test_interrupt_or_exit_on_one_rank_ends_every_rank(tmp_path, kind, action, ranks,
                                                        data_ranks, victim):
