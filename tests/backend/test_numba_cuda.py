@@ -41,17 +41,23 @@ def test_kernels_under_the_simulator():
     _assert_all_passed(*_run_cases(NUMBA_ENABLE_CUDASIM="1"))
 
 
+def _python_without_simulator(*args):
+    """``python *args`` in a fresh process with the CUDA simulator off; its stdout (exit 0)."""
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    return proc.stdout
+
+
 def test_import_without_a_gpu_touches_no_device():
     """Import in a fresh process; cuInit (which records the pid) must not have run."""
     code = (
         "import mgnn.backend.numba_cuda as nc\n"
         "from numba.cuda.cudadrv import driver\n"
         "print(nc.THREADS, nc._SIM, nc.CudaOps.name, driver.driver.pid is not None)\n")
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.split() == ["256", "False", "cuda", "False"], proc.stdout
+    out = _python_without_simulator("-c", code)
+    assert out.split() == ["256", "False", "cuda", "False"], out
 
 
 def test_kernels_compile_on_numpy_without_row_stack():
@@ -69,19 +75,13 @@ def test_kernels_compile_on_numpy_without_row_stack():
         "a = types.float32[::1]\n"
         "ptx, _ = cuda.compile_ptx(nc._add_kernel.py_func, (a, a, a), cc=(9, 0))\n"
         "print('.target sm_90' in ptx, hasattr(np, 'row_stack'))\n")
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    assert proc.stdout.split() == ["True", "False"], proc.stdout
+    out = _python_without_simulator("-c", code)
+    assert out.split() == ["True", "False"], out
 
 
 def _ptx_cases(*args):
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    proc = subprocess.run([sys.executable, "-m", "tests.backend.ptx_cases", *args], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    out = _python_without_simulator("-m", "tests.backend.ptx_cases", *args)
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def test_every_kernel_compiles_to_sm90_ptx():
