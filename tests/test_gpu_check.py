@@ -79,7 +79,7 @@ def test_without_a_gpu_and_without_emulate_exit_code_is_2(tmp_path):
 @needs_emulation
 def test_watchdog_ends_a_run_with_the_table(tmp_path):
     out = tmp_path / "w.json"
-    proc = _run("--emulate", "--budget", "-40", "--out", str(out), timeout=120)  # fires at 5 s
+    proc = _run("--emulate", "--budget", "-44", "--out", str(out), timeout=120)  # fires at 1 s
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert TABLE_HEADER in proc.stdout and "WATCHDOG" in proc.stdout
     report = json.loads(out.read_text())
