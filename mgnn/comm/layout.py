@@ -52,6 +52,9 @@ class Layout:
         return self.layer_rank == self.layer_size - 1
 
 
+#: Seconds a rank waits between writing its failure report and ``MPI_Abort``.
+FORWARD_S = 0.3
+
 #: Exit status of a distributed run ended by an interrupt (128 + SIGINT, as a shell reports it).
 INTERRUPT_STATUS = 130
 
@@ -162,6 +165,9 @@ def _abort(comm, exc, what, grace_s=10.0):
         sys.stdout.flush()
     except BaseException:  # noqa: B036 -- a broken stderr or a late signal must not stop Abort
         pass
+    # MPI_Abort makes the launcher tear the job down at once, and what it has not yet forwarded
+    # from this rank's stderr pipe is lost (seen: a traceback cut off mid-line); give it a moment
+    time.sleep(FORWARD_S)
     comm.Abort(status)
     end = time.monotonic() + grace_s
     while time.monotonic() < end:
