@@ -462,8 +462,7 @@ class LayerParallel:
         for prefix, gd in (("opening", go), ("closing", gc)):
             for k, v in gd.items():
                 grads[f"{prefix}.{k}"][...] = v
-        self.stats = {"forward": {"residuals": [], "iterations": 0, "converged": True},
-                      "adjoint": {"residuals": [], "iterations": 0, "converged": True}}
+        self.stats = _exact_stats()
         return loss, grads
 
     def _validated(self, x, y=None):
@@ -570,8 +569,7 @@ class LayerParallel:
         batch = x.shape[0]
         total_batch = batch if lay.data_comm is None else lay.data_comm.allreduce(batch)
         scale = m.dtype.type(batch / total_batch)
-        stats = {"forward": {"residuals": [], "iterations": 0, "converged": True},
-                 "adjoint": {"residuals": [], "iterations": 0, "converged": True}}
+        stats = _exact_stats()
         guess = None
         prev = self._previous_states
         if self.warm_start and prev is not None and prev[1] == batch:
@@ -699,6 +697,12 @@ class LayerParallel:
         if lay.layer_comm is not None and lay.layer_size > 1:
             _allreduce_staged(lay.layer_comm, out)
         return out
+
+
+def _exact_stats():
+    """``stats`` of exact (layer-by-layer) propagation: no MGRIT cycles, nothing to converge."""
+    return {kind: {"residuals": [], "iterations": 0, "converged": True}
+            for kind in ("forward", "adjoint")}
 
 
 #: DLPack device types of host memory (kDLCPU, kDLCUDAHost: pinned), which ``cupy.from_dlpack``

@@ -267,8 +267,12 @@ class MGRITSolver:
             raise TypeError(f"{type(self.prop).__name__}.step_batch(us, starts, stops, "
                             f"level={lev}) returned {_describe(out)} for {len(js)} states: it "
                             "must return a list of one state per u")
-        return [self._checked(v, u, a, b, lev, "step_batch")
-                for v, u, a, b in zip(out, states, starts, stops)]
+        t = self._template
+        kind, shape, dtype = type(t), t.shape, t.dtype
+        for v, u, a, b in zip(out, states, starts, stops):  # inline as in _phi: per state
+            if type(v) is not kind or v.shape != shape or v.dtype != dtype or v is u:
+                self._checked(v, u, a, b, lev, "step_batch")
+        return list(out)
 
     def _checked(self, out, u, start, stop, lev, method):
         """``out``, what ``method`` returned for the solver's state ``u``; TypeError unless it is
@@ -507,14 +511,14 @@ class MGRITSolver:
         DivergenceError
             The residual became NaN or infinite.
         """
-        if hasattr(u0, "dtype"):  # the same on every rank: raised alike, before any message
-            self.options.for_dtype(u0.dtype)
+        # the tolerance for u0's dtype: the same on every rank, so raised alike before any message
+        o = self.options.for_dtype(u0.dtype) if hasattr(u0, "dtype") else self.options
         # a divergence is seen in the residual summed over every rank: raised on all alike
         with abort_on_error(self.comm if self.abort else None, "mgnn MGRIT",
                             collective=(DivergenceError,)):
-            return self._solve(u0, initial_guess)
+            return self._solve(u0, initial_guess, o)
 
-    def _solve(self, u0, initial_guess):
+    def _solve(self, u0, initial_guess, o):
         t_start = time.perf_counter()
         self._step_seconds = self._vector_seconds = 0.0
         self.halo.timers.update(halo_wait=0.0, recv_wait=0.0, halo_total=0.0, allreduce=0.0)
@@ -523,7 +527,6 @@ class MGRITSolver:
         N = self.n_steps
         if not hasattr(u0, "shape") or not hasattr(u0, "dtype"):
             raise TypeError(f"u0 must be an array, got {type(u0).__name__}")
-        o = self.options.for_dtype(u0.dtype)
         self._template = u0
         L0 = self.levels[0]
         U = [None] * (N + 1)
