@@ -54,20 +54,38 @@ __device__ __forceinline__ void activate(T z, int act, T &s, T &ds) {
     }
 }
 
-// Tree sum of `value` over the MGNN_REDUCE threads of a 1-D block; the result is valid in
-// every thread. Every thread of the block must call it (it synchronises).
-template <typename T>
-__device__ __forceinline__ T block_sum(T value, T *scratch) {
+// The smallest power of two >= N (N >= 1), at compile time.
+template <int N>
+struct MgPow2 {
+    static constexpr int value = 2 * MgPow2<(N + 1) / 2>::value;
+};
+template <>
+struct MgPow2<1> {
+    static constexpr int value = 1;
+};
+
+// Tree sum of `value` over the NT threads of a 1-D block (any NT >= 1; blockDim.x == NT); the
+// result is valid in every thread. Every thread of the block must call it (it synchronises).
+template <int NT, typename T>
+__device__ __forceinline__ T block_sum_n(T value, T *scratch) {
+    static_assert(NT >= 1, "block_sum_n: NT >= 1");
+    constexpr int HALF = MgPow2<NT>::value / 2;
     const int t = threadIdx.x;
     scratch[t] = value;
     __syncthreads();
-    for (int stride = MGNN_REDUCE / 2; stride > 0; stride /= 2) {
-        if (t < stride) scratch[t] += scratch[t + stride];
+    for (int stride = HALF; stride > 0; stride /= 2) {
+        if (t < stride && t + stride < NT) scratch[t] += scratch[t + stride];
         __syncthreads();
     }
     const T total = scratch[0];
     __syncthreads();  // scratch may be reused at once
     return total;
+}
+
+// block_sum_n over the MGNN_REDUCE threads of a reduction block.
+template <typename T>
+__device__ __forceinline__ T block_sum(T value, T *scratch) {
+    return block_sum_n<MGNN_REDUCE>(value, scratch);
 }
 
 // Tree max (same contract as block_sum).
@@ -83,4 +101,65 @@ __device__ __forceinline__ T block_max(T value, T *scratch) {
     const T total = scratch[0];
     __syncthreads();  // scratch may be reused at once
     return total;
+}
+
+// ------------------------------------------------------------------------ stacked states
+// A stacked launch (kernels/README.md, "Stacked states") runs `count` steps of one array of
+// states U (m, *state): problem p is the step into slot i = slot0 + p * stride (it reads U[i-1])
+// with the parameters of layer l = layer0 + i * layer_step, and writes output slot
+// o = out0 + p * out_stride. No pointer arrays: every address is base + index * state size.
+struct StackedIndex {
+    int i, o, l;
+};
+
+__device__ __forceinline__ StackedIndex stacked_index(int p, int slot0, int stride, int out0,
+                                                      int out_stride, int layer0,
+                                                      int layer_step) {
+    const int i = slot0 + p * stride;
+    return StackedIndex{i, out0 + p * out_stride, layer0 + i * layer_step};
+}
+
+// What a stacked step does with its result phi at element e of the state:
+//   mode 0 (residual): r = (phi - u) [+ g], and acc += r^2 (in double);
+//   mode 1 (FAS):      r = (r + u) - phi;
+//   mode 2 (plain):    r = phi [+ g]   (a chain step: r is U[i] itself).
+// u = U[i], g = G[i] (null ok), r = R[o], acc = this thread's sum of squares.
+template <typename T>
+struct StackedOut {
+    const T *u, *g;
+    T *r;
+    int mode;
+    double *acc;
+    __device__ __forceinline__ void operator()(long long e, T phi) const {
+        if (mode == 1) {
+            r[e] = (r[e] + u[e]) - phi;
+            return;
+        }
+        T v = mode == 0 ? phi - u[e] : phi;
+        if (g) v += g[e];
+        r[e] = v;
+        if (mode == 0) *acc += (double)v * (double)v;
+    }
+};
+
+// The StackedOut of problem `s` of a launch over states of `size` elements.
+template <typename T>
+__device__ __forceinline__ StackedOut<T> stacked_out(const StackedIndex &s, long long size,
+                                                     const T *U, const T *G, T *R, int mode,
+                                                     double *acc) {
+    return StackedOut<T>{U + s.i * size, G ? G + s.i * size : (const T *)nullptr,
+                         R + s.o * size, mode, acc};
+}
+
+// Mode 0: the block's sum of `acc` (NT threads) into partial[part0 + the block's flat index
+// (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x]. Nothing when partial is null
+// (uniform over the block). Every thread of the block must call it.
+template <int NT>
+__device__ __forceinline__ void stacked_partial(double acc, double *partial, int part0,
+                                                double *scratch) {
+    if (!partial) return;
+    const double total = block_sum_n<NT>(acc, scratch);
+    if (threadIdx.x == 0)
+        partial[part0 + ((long long)blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x +
+                blockIdx.x] = total;
 }

@@ -238,3 +238,116 @@ __global__ void bias_grad_batched(const T *const *gys, const T *const *derivs, T
     const int p = blockIdx.y;
     bias_grad_body(gys[p], derivs[p], gb + (long long)layers[p] * C, outer, C, inner, h, scratch);
 }
+
+// ---------------------------------------------------------------------------- stacked states
+// One launch = `count` steps of one stacked array (see stacked_index in common.cuh): the GEMM tile
+// code and loaders above, with an epilogue that hands phi to StackedOut (mode 0/1/2). Mode 0
+// also writes each block's sum of r^2 to partial (null in modes 1 and 2).
+template <typename T>
+struct StackedForwardStore {  // phi = x + h sigma(z + b)  (= ForwardStore's y, residual)
+    const T *x, *b;
+    int O;
+    T h;
+    int act;
+    StackedOut<T> out;
+    __device__ void operator()(int m, int n, T z) const {
+        T s, ds;
+        activate(z + b[n], act, s, ds);
+        out((long long)m * O + n, x[m * O + n] + h * s);
+    }
+};
+
+template <typename T>
+struct StackedVjpStore {  // phi = gy + h c  (= VjpInputStore's gx, residual)
+    const T *gy;
+    int I;
+    T h;
+    StackedOut<T> out;
+    __device__ void operator()(int m, int n, T c) const {
+        out((long long)m * I + n, gy[m * I + n] + h * c);
+    }
+};
+
+// Problem p = blockIdx.z: phi = U[i-1] + h sigma(U[i-1] W_l^T + b_l), U (m, B, w), W (L, w, w),
+// b (L, w); then StackedOut into R (n_out, B, w) (R == U for a chain, mode 2).
+template <typename T>
+__global__ void dense_stacked_forward(const T *U, const T *G, T *R, const T *W, const T *b,
+                                      int slot0, int stride, int out0, int out_stride,
+                                      int layer0, int layer_step, int B, int w, T h, int act,
+                                      int mode, double *partial, int part0) {
+    __shared__ double scratch[MGNN_GEMM_THREADS];
+    const StackedIndex s =
+        stacked_index(blockIdx.z, slot0, stride, out0, out_stride, layer0, layer_step);
+    const long long size = (long long)B * w;
+    const T *x = U + (s.i - 1) * size;
+    double acc = 0.0;
+    gemm_tile<T, true, true>(
+        B, w, w, RowLoad<T>{x, w}, WeightT<T>{W + (long long)s.l * w * w, w},
+        StackedForwardStore<T>{x, b + (long long)s.l * w, w, h, act,
+                               stacked_out(s, size, U, G, R, mode, &acc)});
+    stacked_partial<MGNN_GEMM_THREADS>(acc, partial, part0, scratch);
+}
+
+// Problem p = blockIdx.z: phi = L[i-1] + h (D_l * L[i-1]) W_l with D_l = D[l - d0], D (n_d, B, w)
+// the stored sigma' of layers d0 .. d0 + n_d - 1; then StackedOut as above.
+template <typename T>
+__global__ void dense_stacked_adjoint(const T *L, const T *G, T *R, const T *W, const T *D,
+                                      int d0, int slot0, int stride, int out0, int out_stride,
+                                      int layer0, int layer_step, int B, int w, T h, int mode,
+                                      double *partial, int part0) {
+    __shared__ double scratch[MGNN_GEMM_THREADS];
+    const StackedIndex s =
+        stacked_index(blockIdx.z, slot0, stride, out0, out_stride, layer0, layer_step);
+    const long long size = (long long)B * w;
+    const T *gy = L + (s.i - 1) * size;
+    double acc = 0.0;
+    gemm_tile<T, true, false>(
+        B, w, w, ScaledCotangent<T>{gy, D + (s.l - d0) * size, w},
+        WeightRows<T>{W + (long long)s.l * w * w, w},
+        StackedVjpStore<T>{gy, w, h, stacked_out(s, size, L, G, R, mode, &acc)});
+    stacked_partial<MGNN_GEMM_THREADS>(acc, partial, part0, scratch);
+}
+
+// ------------------------------------------------------------------------ stacked gradients
+// The sigma' and parameter gradients of `count` consecutive layers l = layer0 + p, p < count,
+// read from stacked arrays by slot arithmetic (no pointer arrays, no per-layer host work).
+
+// Problem p = blockIdx.z: D[p] = sigma'(U[first + p] W_l^T + b_l); U (m, B, w), W (L, w, w),
+// b (L, w), D (count, B, w).
+template <typename T>
+__global__ void dense_deriv_stacked(const T *U, int first, const T *W, const T *b, int layer0,
+                                    T *D, int B, int w, int act) {
+    const int p = blockIdx.z, l = layer0 + p;
+    const long long size = (long long)B * w;
+    dense_forward_body(U + (first + p) * size, W + (long long)l * w * w, b + (long long)l * w,
+                       (T *)nullptr, D + p * size, B, w, w, T(1), act, 0, (const T *)nullptr);
+}
+
+// Problem p = blockIdx.z, l = layer0 + p: gW[l] (w, w) = h (D[p] * Lam_p)^T U[u_first + p] with
+// Lam_p = L[l_first + p l_stride] (l_stride may be negative); L (m_l, B, w), D (count, B, w),
+// U (m_u, B, w), gW (L, w, w).
+template <typename T>
+__global__ void dense_weight_grad_stacked(const T *L, int l_first, int l_stride, const T *D,
+                                          const T *U, int u_first, int layer0, T *gW, int B,
+                                          int w, T h) {
+    const int p = blockIdx.z;
+    const long long size = (long long)B * w;
+    const T *lam = L + (l_first + (long long)p * l_stride) * size;
+    gemm_tile<T, false, false>(
+        w, w, B, ScaledCotangentT<T>{lam, D + p * size, w},
+        WeightRows<T>{U + (u_first + p) * size, w},
+        ScaledStore<T>{gW + (long long)(layer0 + p) * w * w, w, h});
+}
+
+// Problem p = blockIdx.y: gb[layer0 + p] (C,) = bias_grad of Lam_p = L[l_first + p l_stride] and
+// D[p], states (outer, C, inner) (dense: inner 1; conv: inner H W); gb (L, C). One block of
+// MGNN_REDUCE threads per (channel, problem).
+template <typename T>
+__global__ void bias_grad_stacked(const T *L, int l_first, int l_stride, const T *D, int layer0,
+                                  T *gb, int outer, int C, int inner, T h) {
+    __shared__ T scratch[MGNN_REDUCE];
+    const int p = blockIdx.y;
+    const long long size = (long long)outer * C * inner;
+    bias_grad_body(L + (l_first + (long long)p * l_stride) * size, D + p * size,
+                   gb + (long long)(layer0 + p) * C, outer, C, inner, h, scratch);
+}

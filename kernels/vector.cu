@@ -45,3 +45,16 @@ __global__ void combine_batched(T *const *outs, const T *const *xs, const T *con
             out[e] = x[e] + y[e];
     }
 }
+
+// out[0] = sum of partial[0 .. n) in double, in a fixed order (deterministic, no atomics): the
+// second launch of a stacked mode-0 call, which reduces the per-block partials of its step
+// launches to the residual norm on the device. One block of MGNN_REDUCE threads; n = 0 writes 0.
+// (T is unused: every kernel is instantiated for float and double.)
+template <typename T>
+__global__ void sum_partials(const double *partial, double *out, int n) {
+    __shared__ double scratch[MGNN_REDUCE];
+    double s = 0.0;
+    for (int k = threadIdx.x; k < n; k += MGNN_REDUCE) s += partial[k];
+    const double total = block_sum(s, scratch);
+    if (threadIdx.x == 0) out[0] = total;
+}

@@ -26,6 +26,15 @@ KERNELS = (
     "dense_vjp_params_batched", "conv_forward_batched", "conv_vjp_input_batched",
     "conv_deriv_batched", "conv_vjp_params_batched",
 )
+#: Optional stacked-state kernels (in place on a level's states stacked in one array; contract in
+#: :mod:`mgnn.backend.numpy_ref`): a backend that has them sets ``stacked_states = True``.
+STACKED_KERNELS = ("dense_chains_forward", "dense_points_forward", "dense_chains_adjoint",
+                   "dense_points_adjoint", "conv_chains_forward", "conv_points_forward",
+                   "conv_chains_adjoint", "conv_points_adjoint")
+#: Optional stacked gradient kernels (sigma' and parameter gradients of consecutive layers read
+#: from stacked states; contract in :mod:`mgnn.backend.numpy_ref`), with the stacked kernels.
+STACKED_GRAD_KERNELS = ("dense_deriv_stacked", "dense_vjp_params_stacked", "conv_deriv_stacked",
+                        "conv_vjp_params_stacked")
 
 _MODULES = {"numpy": "numpy_ref", "numba": "numba_cpu"}
 GPU_BACKENDS = ("cuda", "cuda-emulated")

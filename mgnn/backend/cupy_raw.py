@@ -1,26 +1,36 @@
 """The GPU backend's RawKernels (CUDA C in ``kernels/*.cu``) and their launch code.
 
-:class:`RawBackend` implements the kernel contract of :mod:`mgnn.backend.numpy_ref` (and the
-interval-batched kernels) over a *launcher*: :class:`CupyLauncher` (``cupy.RawModule`` on a GPU,
-CuPy arrays) or :class:`mgnn.backend.host_emulation.EmulationLauncher` (the same CUDA C compiled
-for the host, NumPy arrays). Grid and block shapes come from the launcher's geometry, which is
+:class:`RawBackend` implements the kernel contract of :mod:`mgnn.backend.numpy_ref` (the
+interval-batched kernels, and the stacked-state kernels of ``mgnn.backend.STACKED_KERNELS``: one
+launch per relaxation wave, no pointer arrays) over a *launcher*: :class:`CupyLauncher`
+(``cupy.RawModule`` on a GPU, CuPy arrays) or
+:class:`mgnn.backend.host_emulation.EmulationLauncher` (the same CUDA C compiled for the host,
+NumPy arrays). Grid and block shapes come from the launcher's geometry, which is
 also compiled into the kernels (``-DMGNN_BM=...``), so both always agree.
 
 Importing this module needs neither CuPy nor a GPU.
 """
+import contextlib
+import operator
+
 import numpy as np
 
 from . import kernel_dir
+from .numpy_ref import check_stacked_grads
 
 #: CUDA C files and the kernel templates each defines (each instantiated for float and double).
 KERNEL_FILES = {
     "dense.cu": ("dense_forward", "dense_forward_batched", "dense_vjp_input",
                  "dense_vjp_input_batched", "dense_weight_grad", "dense_weight_grad_batched",
-                 "bias_grad", "bias_grad_batched"),
+                 "bias_grad", "bias_grad_batched", "dense_stacked_forward",
+                 "dense_stacked_adjoint", "dense_deriv_stacked", "dense_weight_grad_stacked",
+                 "bias_grad_stacked"),
     "conv.cu": ("conv_forward", "conv_forward_batched", "conv_vjp_input",
-                "conv_vjp_input_batched", "conv_kernel_grad", "conv_kernel_grad_batched"),
+                "conv_vjp_input_batched", "conv_kernel_grad", "conv_kernel_grad_batched",
+                "conv_stacked_forward", "conv_stacked_adjoint", "conv_deriv_stacked",
+                "conv_kernel_grad_stacked"),
     "head.cu": ("avgpool_forward", "avgpool_vjp", "softmax_xent"),
-    "vector.cu": ("residual_batched", "combine_batched"),
+    "vector.cu": ("residual_batched", "combine_batched", "sum_partials"),
 }
 
 #: Launch geometry on a GPU (see kernels/common.cuh): 64 x 64 GEMM tiles of 16-deep stages,
@@ -116,25 +126,137 @@ def _cdiv(a, b):
     return -(-a // b)
 
 
+#: This backend has the stacked-state kernels of ``mgnn.backend.STACKED_KERNELS``.
+stacked_states = True
+
+#: Most cached launch plans (chains / points arrays) a RawBackend keeps; the cache is cleared
+#: when it is full (a solver reuses a handful of arrays per level).
+PLAN_CACHE_SIZE = 256
+
+
+def _host_index(a, name, ndim):
+    """``a`` as a host int64 array of ``ndim`` dimensions (a device array is copied: a sync)."""
+    if hasattr(a, "get") and not isinstance(a, np.ndarray):
+        a = a.get()
+    a = np.asarray(a)
+    if a.dtype.kind not in "iu" and a.size:
+        raise TypeError(f"{name} must be an integer array, got dtype {a.dtype}")
+    if a.size == 0:
+        return np.zeros((0, 2) if ndim == 2 else (0,), np.int64)
+    a = a.astype(np.int64, copy=False)
+    if a.ndim != ndim or (ndim == 2 and a.shape[1] != 2):
+        raise ValueError(f"{name} must have shape {'(n, 2)' if ndim == 2 else '(n,)'}, got "
+                         f"{a.shape}")
+    return a
+
+
+def _runs(slots, outs):
+    """Maximal runs of consecutive points whose slots and output slots both step by constants:
+    a list of ``(slot0, stride, out0, out_stride, count)`` (Python ints), at most MAX_BATCH
+    points each."""
+    slots, outs = [int(v) for v in slots], [int(v) for v in outs]
+    runs, n, a = [], len(slots), 0
+    while a < n:
+        b = min(a + 2, n)  # one or two points always form a run
+        ds, do = slots[b - 1] - slots[a], outs[b - 1] - outs[a]
+        while (b < n and b - a < MAX_BATCH and slots[b] - slots[b - 1] == ds
+               and outs[b] - outs[b - 1] == do):
+            b += 1
+        runs.append((slots[a], ds, outs[a], do, b - a))
+        a = b
+    return runs
+
+
+def _chain_plan(chains):
+    """(launches, (lowest, highest) slot) of a chains array (n, 2) of (first, length): wave k
+    advances slot first + k of every chain longer than k, one launch per arithmetic run of those
+    slots (so one per wave when the firsts are evenly spaced and the lengths equal). Raises
+    ValueError when chains overlap or one reads a slot another writes."""
+    chains = chains[np.argsort(chains[:, 0], kind="stable")]
+    if (chains[:, 1] < 0).any():
+        raise ValueError(f"chain lengths must be >= 0, got {chains[:, 1].tolist()}")
+    chains = chains[chains[:, 1] > 0]
+    first, length = chains[:, 0], chains[:, 1]
+    ends = first + length  # one past the last slot a chain writes
+    clash = np.nonzero(ends[:-1] >= first[1:])[0]
+    if clash.size:
+        c = clash[0]
+        raise ValueError(f"chains (first, length) {chains[c].tolist()} and "
+                         f"{chains[c + 1].tolist()} overlap or depend on each other (each chain "
+                         "reads the slot before its first; chains must be independent)")
+    if not length.size:
+        return (), (1, 0)
+    launches = []
+    for k in range(int(length.max())):
+        active = first[length > k] + k
+        launches += _runs(active, active)
+    return tuple(launches), (int(first.min()), int(ends.max()) - 1)
+
+
+def _points_plan(slots, out_slots):
+    """(runs, (lowest, highest) slot, (lowest, highest) output slot) of a points call;
+    ValueError on a length mismatch or a repeated output slot."""
+    if slots.shape != out_slots.shape:
+        raise ValueError(f"slots {slots.shape} and out_slots {out_slots.shape} differ in length")
+    if np.unique(out_slots).size != out_slots.size:
+        raise ValueError(f"out_slots must be distinct, got {out_slots.tolist()}")
+    if not slots.size:
+        return (), (1, 0), (0, -1)
+    return (tuple(_runs(slots, out_slots)), (int(slots.min()), int(slots.max())),
+            (int(out_slots.min()), int(out_slots.max())))
+
+
 class RawBackend:
     """The kernel contract of :mod:`mgnn.backend.numpy_ref` over a RawKernel launcher.
 
     Arrays are the launcher's (``self.xp``: CuPy on a GPU, NumPy under emulation), C-contiguous,
-    all of one dtype. Outputs are new arrays of ``xp`` unless ``out`` is given. With
-    ``poison_outputs`` (tests), every new output is filled with NaN before the launch, so an
-    element a kernel fails to write shows up.
+    all of one dtype. Outputs are new arrays of ``xp`` unless ``out`` is given, or the call runs
+    inside :meth:`workspace` (then they are reused buffers). With ``poison_outputs`` (tests),
+    every new output is filled with NaN before the launch, so an element a kernel fails to write
+    shows up.
     """
 
     batched_relaxation = True
+    stacked_states = True
 
     def __init__(self, launcher, name="cuda"):
         self.launcher, self.xp, self.name = launcher, launcher.xp, name
         self.geometry = launcher.geometry
         self.poison_outputs = False
+        self._plans, self._scratch = {}, {}
+        self._ws_counts, self._ws_buffers = None, {}
+
+    @contextlib.contextmanager
+    def workspace(self):
+        """Within the block, the k-th new output of each shape and dtype is the k-th cached
+        buffer of that shape and dtype (k counted from the block's start), so a block that runs
+        the same kernels again (a training step) allocates nothing after its first run. Outputs
+        returned inside a block are overwritten by the next block: copy what must outlive it.
+        The cache keeps the most buffers of each shape one block used; :meth:`clear_workspace`
+        frees them."""
+        outer, self._ws_counts = self._ws_counts, {}
+        try:
+            yield self
+        finally:
+            self._ws_counts = outer
+
+    def clear_workspace(self):
+        """Free the buffers cached by :meth:`workspace`."""
+        self._ws_buffers = {}
 
     # ------------------------------------------------------------------------------ plumbing
-    def _empty(self, shape, dtype):
-        out = self.xp.empty(shape, dtype=dtype)
+    def _empty(self, shape, dtype, reuse=True):
+        """A new output (a cached buffer inside :meth:`workspace` unless ``reuse`` is False)."""
+        counts = self._ws_counts if reuse else None
+        if counts is None:
+            out = self.xp.empty(shape, dtype=dtype)
+        else:
+            key = (tuple(shape) if isinstance(shape, tuple) else (shape,), np.dtype(dtype).str)
+            k = counts[key] = counts.get(key, 0) + 1
+            pool = self._ws_buffers.setdefault(key, [])
+            if len(pool) < k:
+                pool.append(self.xp.empty(shape, dtype=dtype))
+            out = pool[k - 1]
         if self.poison_outputs:
             out.fill(np.nan)
         return out
@@ -157,7 +279,7 @@ class RawBackend:
         """``count`` new arrays of ``shape`` -- views into one allocation -- and the device array
         of their addresses (computed, not gathered: no per-array work on the host)."""
         _check_count(count)
-        stack = self._empty((count,) + tuple(shape), dtype)
+        stack = self._empty((count,) + tuple(shape), dtype, reuse=False)  # they become states
         step = np.uint64(int(np.prod(shape)) * np.dtype(dtype).itemsize)
         ptrs = np.uint64(self.launcher.ptr(stack)) + step * np.arange(count, dtype=np.uint64)
         return list(stack), self.launcher.to_device(ptrs)
@@ -417,6 +539,230 @@ class RawBackend:
                           count=len(xs))
         return outs
 
+    # ------------------------------------------------------------------------ stacked states
+    # The kernels of mgnn.backend.STACKED_KERNELS: whole relaxation waves of one stacked array
+    # (m, *state) per launch; slots and layers are arithmetic progressions computed in the kernel
+    # (no pointer arrays), the launch plan of a chains / points array is cached by its bytes, the
+    # scratch of the residual norm by its size: no allocation and no ptr() after the first call.
+    def _plan(self, tag, *arrays):
+        key = (tag,) + tuple(a.tobytes() for a in arrays)
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) >= PLAN_CACHE_SIZE:
+                self._plans.clear()
+            plan = self._plans[key] = (_chain_plan(*arrays) if tag == "chains"
+                                       else _points_plan(*arrays))
+        return plan
+
+    def _buffer(self, name, size):
+        """A cached float64 scratch array of >= ``size`` elements (grown, never shrunk); the
+        0-d norm buffer for ``size`` None."""
+        buf = self._scratch.get(name)
+        if buf is None or (size is not None and buf.size < size):
+            buf = self._scratch[name] = self._empty(() if size is None else max(size, 1),
+                                                    np.float64, reuse=False)
+        return buf
+
+    def _stacked(self, kind, adjoint, U, G, R, P, X, d0, runs, span, out_span, layer0,
+                 layer_step, h, act, mode, norm_out=None):
+        """Check the arguments, then launch ``runs`` [(slot0, stride, out0, out_stride, count)]
+        of the stacked kernel of ``kind``; X = b (forward) or D (adjoint). Returns the mode-0
+        norm (device 0-d array or float), else 0.0."""
+        xp_name = "L" if adjoint else "U"
+        layer0, layer_step, d0, mode = (operator.index(v) for v in (layer0, layer_step, d0, mode))
+        nd = 3 if kind == "dense" else 5
+        if getattr(U, "ndim", None) != nd or U.dtype not in (np.float32, np.float64):
+            raise ValueError(f"{kind}: {xp_name} must be a float32/float64 stack of {nd - 1}-d "
+                             f"states, got {getattr(U, 'dtype', type(U).__name__)} "
+                             f"{getattr(U, 'shape', '')}")
+        dt, state, m, N = U.dtype, U.shape[1:], U.shape[0], P.shape[0]
+        per = (state[1], state[1]) if kind == "dense" else (state[1], state[1], 3, 3)
+        want = [(xp_name, U, U.shape), ("G", G, U.shape),
+                ("W" if kind == "dense" else "K", P, (N,) + per),
+                ("D", X, X.shape[:1] + state) if adjoint else ("b", X, (N, state[1]))]
+        if R is not None:
+            want.append(("R", R, R.shape[:1] + state))
+        for name, a, shape in want:
+            if a is not None and (a.shape != shape or a.dtype != dt or not a.flags.c_contiguous):
+                raise ValueError(f"{kind}: {name} must be a C-contiguous {dt} array of shape "
+                                 f"{shape}, got {a.dtype} {a.shape}")
+        if mode not in (0, 1, 2):
+            raise ValueError(f"mode must be 0 (residual), 1 (FAS) or 2 (plain), got {mode!r}")
+        if not adjoint and act not in (0, 1, 2):
+            raise ValueError(f"act={act!r}: expected an activation code 0, 1 or 2")
+        out = None
+        if mode == 0:
+            out = self._buffer("norm", None) if norm_out is None else norm_out
+            if out.shape != () or out.dtype != np.float64:
+                raise ValueError(f"norm_out must be a 0-d float64 array, got {out.dtype} "
+                                 f"{out.shape}")
+        if span[0] <= span[1]:  # some step: its slots, layers (and sigma') must exist
+            if span[0] < 1 or span[1] >= m:
+                raise ValueError(f"slots {span[0]}..{span[1]} out of range 1..{m - 1} "
+                                 f"({xp_name} has {m} slots; slot i reads slot i-1)")
+            lay = sorted((layer0 + span[0] * layer_step, layer0 + span[1] * layer_step))
+            if lay[0] < 0 or lay[1] >= N:
+                raise ValueError(f"layers {lay[0]}..{lay[1]} (layer0={layer0}, layer_step="
+                                 f"{layer_step}) out of range 0..{N - 1}")
+            if adjoint and (lay[0] - d0 < 0 or lay[1] - d0 >= X.shape[0]):
+                raise ValueError(f"layers {lay[0]}..{lay[1]} have no sigma' in D: it holds "
+                                 f"layers {d0}..{d0 + X.shape[0] - 1} (d0={d0})")
+            if R is not None and (out_span[0] < 0 or out_span[1] >= R.shape[0]):
+                raise ValueError(f"out_slots {out_span[0]}..{out_span[1]} out of range "
+                                 f"0..{R.shape[0] - 1}")
+        if R is None:
+            R = U
+        elif (U if U.base is None else U.base) is (R if R.base is None else R.base):
+            raise ValueError("R shares memory with U (the points kernels only read U)")
+        g = self.geometry
+        if kind == "dense":  # blocks per problem: GEMM tiles, or the elementwise grid
+            per_problem = _cdiv(state[1], g["BN"]) * _cdiv(state[0], g["BM"])
+        else:
+            per_problem = max(1, min(_cdiv(int(np.prod(state)), g["ELEM"]), g["MAX_GRID"]))
+        head = (U, G, R, P, X) + ((d0,) if adjoint else ())
+        tail = (self._h(h, dt),) + (() if adjoint else (operator.index(act),)) + (mode,)
+        name = f"{kind}_stacked_{'adjoint' if adjoint else 'forward'}"
+        partial = (self._buffer("partial", sum(r[4] for r in runs) * per_problem) if mode == 0
+                   else None)
+        part = 0
+        for slot0, stride, out0, out_stride, count in runs:
+            args = (head + (slot0, stride, out0, out_stride, layer0, layer_step, *state) + tail
+                    + (partial, part))
+            if kind == "dense":
+                self._gemm(name, state[0], state[1], count, dt, *args)
+            else:
+                self._launch(name, dt, (per_problem, count, 1), (g["ELEM"], 1, 1), *args)
+            part += count * per_problem
+        if mode != 0:
+            return 0.0
+        self._launch("sum_partials", dt, (1, 1, 1), (g["REDUCE"], 1, 1), partial, out, part)
+        return out if self.launcher.on_device else float(out)
+
+    def _chains(self, kind, adjoint, U, G, P, X, d0, chains, layer0, layer_step, h, act):
+        launches, span = self._plan("chains", _host_index(chains, "chains", 2))
+        self._stacked(kind, adjoint, U, G, None, P, X, d0, launches, span, None, layer0,
+                      layer_step, h, act, 2)
+
+    def _points(self, kind, adjoint, U, G, R, P, X, d0, slots, out_slots, layer0, layer_step, h,
+                act, mode, norm_out):
+        if R is None:
+            raise ValueError("R (the output states) is required")
+        runs, span, out_span = self._plan("points", _host_index(slots, "slots", 1),
+                                          _host_index(out_slots, "out_slots", 1))
+        return self._stacked(kind, adjoint, U, G, R, P, X, d0, runs, span, out_span, layer0,
+                             layer_step, h, act, mode, norm_out)
+
+    def dense_chains_forward(self, U, G, W, b, chains, layer0, layer_step, h, act):
+        """In place, one launch per wave (per arithmetic run of a wave's slots): for each chain
+        (first, length) of ``chains`` and k < length, i = first + k,
+        U[i] = U[i-1] + h sigma(U[i-1] W_l^T + b_l) [+ G[i]], l = layer0 + i * layer_step.
+
+        U, G (m, B, w) (G None: no rhs), W (N, w, w), b (N, w). ``chains`` (n, 2) int, a host
+        array (a device array costs a copy and a sync); its launch plan is cached by its bytes.
+        Chains must be independent (ValueError otherwise)."""
+        self._chains("dense", False, U, G, W, b, 0, chains, layer0, layer_step, h, act)
+
+    def dense_points_forward(self, U, G, R, W, b, slots, out_slots, layer0, layer_step, h, act,
+                             mode, norm_out=None):
+        """phi_p = Phi_l(U[i-1]) for i = slots[p] (U only read), into R[out_slots[p]]: mode 0
+        R[o] = (phi - U[i]) [+ G[i]], mode 1 R[o] = (R[o] + U[i]) - phi, mode 2 R[o] = phi
+        [+ G[i]]; one launch per arithmetic run of (slots, out_slots), plus one reduction
+        launch in mode 0.
+
+        Returns
+        -------
+        Mode 0: sum_p ||R[o]||^2 accumulated in float64 on the device: a 0-d float64 array of
+        ``xp`` when the launcher is on a device (no sync; it is a cached buffer, overwritten by
+        the next mode-0 call unless ``norm_out``, a 0-d float64 array, is given), a Python
+        float under emulation / counting. Modes 1, 2: 0.0.
+        """
+        return self._points("dense", False, U, G, R, W, b, 0, slots, out_slots, layer0,
+                            layer_step, h, act, mode, norm_out)
+
+    def dense_chains_adjoint(self, L, G, W, D, d0, chains, layer0, layer_step, h):
+        """As :meth:`dense_chains_forward` with the adjoint step
+        L[i] = L[i-1] + h (D_l * L[i-1]) W_l [+ G[i]], D_l = D[l - d0] (D (n_d, B, w): sigma' of
+        layers d0 ..)."""
+        self._chains("dense", True, L, G, W, D, d0, chains, layer0, layer_step, h, None)
+
+    def dense_points_adjoint(self, L, G, R, W, D, d0, slots, out_slots, layer0, layer_step, h,
+                             mode, norm_out=None):
+        """As :meth:`dense_points_forward` with the adjoint step (returns the same)."""
+        return self._points("dense", True, L, G, R, W, D, d0, slots, out_slots, layer0,
+                            layer_step, h, None, mode, norm_out)
+
+    def conv_chains_forward(self, U, G, K, b, chains, layer0, layer_step, h, act):
+        """As :meth:`dense_chains_forward` for conv states U (m, B, C, H, W), K (N, C, C, 3, 3),
+        b (N, C): U[i] = U[i-1] + h sigma(conv3x3(U[i-1], K_l) + b_l) [+ G[i]]."""
+        self._chains("conv", False, U, G, K, b, 0, chains, layer0, layer_step, h, act)
+
+    def conv_points_forward(self, U, G, R, K, b, slots, out_slots, layer0, layer_step, h, act,
+                            mode, norm_out=None):
+        """As :meth:`dense_points_forward` for conv states (returns the same)."""
+        return self._points("conv", False, U, G, R, K, b, 0, slots, out_slots, layer0,
+                            layer_step, h, act, mode, norm_out)
+
+    def conv_chains_adjoint(self, L, G, K, D, d0, chains, layer0, layer_step, h):
+        """As :meth:`dense_chains_adjoint` for conv states:
+        L[i] = L[i-1] + h conv_vjp_input(D_l * L[i-1], K_l) [+ G[i]]."""
+        self._chains("conv", True, L, G, K, D, d0, chains, layer0, layer_step, h, None)
+
+    def conv_points_adjoint(self, L, G, R, K, D, d0, slots, out_slots, layer0, layer_step, h,
+                            mode, norm_out=None):
+        """As :meth:`dense_points_adjoint` for conv states (returns the same)."""
+        return self._points("conv", True, L, G, R, K, D, d0, slots, out_slots, layer0,
+                            layer_step, h, None, mode, norm_out)
+
+    # ----------------------------------------------------------------- stacked gradients
+    def _count(self, count):
+        _check_count(count)
+        return count
+
+    def dense_deriv_stacked(self, U, first, count, W, b, layer0, act, D):
+        """D[p] = sigma'(U[first + p] W_l^T + b_l), l = layer0 + p, p < count: one launch, no
+        pointer arrays (contract: :data:`mgnn.backend.STACKED_GRAD_KERNELS`)."""
+        count = self._count(check_stacked_grads("dense", U, first, count, W, layer0, D, b))
+        if count:
+            B, w = U.shape[1:]
+            self._gemm("dense_deriv_stacked", B, w, count, U.dtype, U, first, W, b, layer0, D,
+                       B, w, operator.index(act))
+
+    def dense_vjp_params_stacked(self, L, l_first, l_stride, D, U, u_first, count, layer0, h,
+                                 gW, gb):
+        """(gW[l], gb[l]) = dense_vjp_params(L[l_first + p l_stride], D[p], U[u_first + p], h),
+        l = layer0 + p, p < count: two launches (weights, biases), no pointer arrays."""
+        count = self._count(check_stacked_grads("dense", U, u_first, count, gW, layer0, D, gb,
+                                                L, l_first, l_stride))
+        if count:
+            B, w = U.shape[1:]
+            hh, args = self._h(h, U.dtype), (L, l_first, l_stride, D)
+            self._gemm("dense_weight_grad_stacked", w, w, count, U.dtype, *args, U, u_first,
+                       layer0, gW, B, w, hh)
+            self._launch("bias_grad_stacked", U.dtype, (w, count, 1),
+                         (self.geometry["REDUCE"], 1, 1), *args, layer0, gb, B, w, 1, hh)
+
+    def conv_deriv_stacked(self, U, first, count, K, b, layer0, act, D):
+        """As :meth:`dense_deriv_stacked` for conv states (one launch)."""
+        count = self._count(check_stacked_grads("conv", U, first, count, K, layer0, D, b))
+        if count:
+            B, C, H, Wd = U.shape[1:]
+            self._elementwise("conv_deriv_stacked", B * C * H * Wd, U.dtype, U, first, K, b,
+                              layer0, D, B, C, H, Wd, operator.index(act), count=count)
+
+    def conv_vjp_params_stacked(self, L, l_first, l_stride, D, U, u_first, count, layer0, h,
+                                gK, gb):
+        """As :meth:`dense_vjp_params_stacked` for conv states (two launches)."""
+        count = self._count(check_stacked_grads("conv", U, u_first, count, gK, layer0, D, gb, L,
+                                                l_first, l_stride))
+        if count:
+            B, C, H, Wd = U.shape[1:]
+            hh, args, red = self._h(h, U.dtype), (L, l_first, l_stride, D), \
+                (self.geometry["REDUCE"], 1, 1)
+            self._launch("conv_kernel_grad_stacked", U.dtype, (C * C * 9, count, 1), red, *args,
+                         U, u_first, layer0, gK, B, C, H, Wd, hh)
+            self._launch("bias_grad_stacked", U.dtype, (C, count, 1), red, *args, layer0, gb, B,
+                         C, H * Wd, hh)
+
     # ------------------------------------------------------------------------- pooling, loss
     def avgpool_forward(self, u, p):
         """(B, C, p, p) window means of u (B, C, H, W)."""
@@ -440,7 +786,7 @@ class RawBackend:
         rows = self._empty((B,), logits.dtype)
         self._launch("softmax_xent", logits.dtype, (B, 1, 1), (self.geometry["REDUCE"], 1, 1),
                      logits, y, g, rows, B, K)
-        return rows.mean(), g
+        return rows.mean(out=self._empty((), logits.dtype)), g
 
 
 def nvcc_source():

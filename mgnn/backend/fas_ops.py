@@ -62,6 +62,14 @@ class GenericOps:
             return xs
         return [self.add(x, y) for x, y in zip(xs, ys)]
 
+    def correct_strided(self, Uf, fine0, stride, Uc, V, coarse0, k, tmp):
+        """In place: Uf[fine0 + q stride] += Uc[coarse0 + q] - V[coarse0 + q], q < k (the
+        corrections of a stacked level; ``tmp`` a (k, ...) scratch array)."""
+        tmp[...] = Uc[coarse0:coarse0 + k]
+        tmp -= V[coarse0:coarse0 + k]
+        view = Uf[fine0:fine0 + (k - 1) * stride + 1:stride]
+        view += tmp  # u + (uc - v) as ``correct``; in place (``Uf[...] +=`` would copy back)
+
     def norm2(self, a):
         """||a||^2 (spatial 2-norm squared, real or complex) as a Python float."""
         if isinstance(a, np.ndarray):
@@ -94,6 +102,14 @@ def _fas_rhs(r, v, phi_c):
 def _correct(u, uc, v, out):
     for i in range(u.size):
         out[i] = u[i] + (uc[i] - v[i])
+
+
+@njit(cache=True)
+def _correct_strided(Uf, fine0, stride, Uc, V, coarse0, k):
+    for q in range(k):
+        u, uc, v = Uf[fine0 + q * stride], Uc[coarse0 + q], V[coarse0 + q]
+        for i in range(u.size):
+            u[i] = u[i] + (uc[i] - v[i])
 
 
 @njit(cache=True)
@@ -135,6 +151,16 @@ class NumbaOps(GenericOps):
         out = np.empty_like(u)
         _correct(u.reshape(-1), uc.reshape(-1), v.reshape(-1), out.reshape(-1))
         return out
+
+    def correct_strided(self, Uf, fine0, stride, Uc, V, coarse0, k, tmp):
+        """One pass, no scratch (NumPy's strided in-place add buffers through the heap)."""
+        if not _flat_ok(Uf[0], Uc[0], V[0]) or not (Uf.flags.c_contiguous and
+                                                    Uc.flags.c_contiguous and
+                                                    V.flags.c_contiguous):
+            return super().correct_strided(Uf, fine0, stride, Uc, V, coarse0, k, tmp)
+        n = Uf[0].size
+        _correct_strided(Uf.reshape(-1, n), fine0, stride, Uc.reshape(-1, n), V.reshape(-1, n),
+                         coarse0, k)
 
     def add(self, a, b):
         if not _flat_ok(a, b):

@@ -3,20 +3,69 @@
 Matrix products go to BLAS through ``np.dot`` inside the kernels with fused bias, activation and
 residual epilogues; convolutions are direct loops parallel over the batch (``prange``). The layer
 sweeps run a whole block of residual steps in one call, so the per-layer cost of a small network
-is a few microseconds instead of a Python dispatch per layer.
+is a few microseconds instead of a Python dispatch per layer. The stacked-state kernels
+(:data:`mgnn.backend.STACKED_KERNELS`) run every chain of a relaxation wave in one call, chains on
+Numba's threads (``prange``) when it has more than one.
 """
 import numpy as np
+import numba
+from numba.extending import overload
 from numba import njit, prange
+
+from .numpy_ref import check_stacked
 
 name = "numba"
 xp = np  #: array module of this backend
 batched_relaxation = False  #: batching gains nothing on the CPU (see numpy_ref)
 
 
+#: tanh(x) ~ x P(x^2) / Q(x^2) on |x| <= 7.9053 (clamped outside; the float32 minimax fit of
+#: Eigen's ``ptanh``), evaluated in float64 and rounded, exactly +-1 from |z| >= 9: at most 4
+#: ulp from tanh in float32, NaN propagates. ~5 ns an element against ~25 ns for libm's tanhf
+#: (NumPy's SIMD tanh: ~3 ns; a Numba loop cannot call it).
+_TANH_P = (4.89352455891786e-03, 6.37261928875436e-04, 1.48572235717979e-05,
+           5.12229709037114e-08, -8.60467152213735e-11, 2.00018790482477e-13,
+           -2.76076847742355e-16)
+_TANH_Q = (4.89352518554385e-03, 2.26843463243900e-03, 1.18534705686654e-04,
+           1.19825839466702e-06)
+_TANH_CLAMP = 7.90531110763549805
+
+
+@njit(cache=True)
+def _tanh_rational(z):
+    x = np.float64(z)
+    if x > _TANH_CLAMP:
+        x = _TANH_CLAMP
+    if x < -_TANH_CLAMP:
+        x = -_TANH_CLAMP
+    a1, a3, a5, a7, a9, a11, a13 = _TANH_P
+    b0, b2, b4, b6 = _TANH_Q
+    x2 = x * x
+    p = x * ((((((x2 * a13 + a11) * x2 + a9) * x2 + a7) * x2 + a5) * x2 + a3) * x2 + a1)
+    q = ((x2 * b6 + b4) * x2 + b2) * x2 + b0
+    r = p / q
+    if z >= 9:  # tanh rounds to +-1 in float32 from |z| ~ 8.3 on; the clamped fit stops short
+        r = 1.0
+    if z <= -9:
+        r = -1.0
+    return r
+
+
+def _tanh(z):
+    """tanh of a float scalar inside njit: :func:`_tanh_rational` for float32, libm for float64."""
+
+
+@overload(_tanh)
+def _tanh_impl(z):
+    if isinstance(z, numba.types.Float) and z.bitwidth == 32:
+        return lambda z: np.float32(_tanh_rational(z))
+    return lambda z: np.tanh(z)
+
+
 @njit(cache=True, inline="always")
 def _sig(z, act):
     if act == 0:
-        return np.tanh(z)
+        return _tanh(z)
     if act == 1:
         return z if z > 0 else z * 0
     return z
@@ -25,7 +74,7 @@ def _sig(z, act):
 @njit(cache=True, inline="always")
 def _dsig(z, act):
     if act == 0:
-        t = np.tanh(z)
+        t = _tanh(z)
         return 1 - t * t
     if act == 1:
         return z * 0 + 1 if z > 0 else z * 0
@@ -243,11 +292,19 @@ def _pad_sample(x, bi):
     """x[bi] (C, H, W) copied into a zero border of width 1: (C, H+2, W+2)."""
     C, H, Wd = x.shape[1], x.shape[2], x.shape[3]
     xp = np.zeros((C, H + 2, Wd + 2), dtype=x.dtype)
+    _pad_into(x, x, bi, xp, False)
+    return xp
+
+
+@njit(cache=True, inline="always")
+def _pad_into(x, d, bi, xp, times_d):
+    """Interior of xp (C, H+2, W+2) = x[bi] [* d[bi] when ``times_d``]; the border is untouched."""
+    C, H, Wd = x.shape[1], x.shape[2], x.shape[3]
     for c in range(C):
         for yy in range(H):
             for xx in range(Wd):
-                xp[c, yy + 1, xx + 1] = x[bi, c, yy, xx]
-    return xp
+                xp[c, yy + 1, xx + 1] = d[bi, c, yy, xx] * x[bi, c, yy, xx] if times_d \
+                    else x[bi, c, yy, xx]
 
 
 @njit(cache=True, inline="always")
@@ -288,6 +345,20 @@ def _conv_forward(x, K, b, h, act, residual, want_deriv):
     return y, D
 
 
+@njit(cache=True, inline="always")
+def _conv_vjp_plane(sp, K, ci, acc):
+    """acc (H, W) = conv3x3^T of the padded sample sp (co, H+2, W+2) into input channel ci."""
+    H, Wd = acc.shape
+    acc[:] = 0
+    for co in range(sp.shape[0]):
+        for ry in range(3):
+            for rx in range(3):
+                k = K[co, ci, 2 - ry, 2 - rx]
+                for yy in range(H):
+                    for xx in range(Wd):
+                        acc[yy, xx] += k * sp[co, yy + ry, xx + rx]
+
+
 @njit(cache=True, parallel=True)
 def _conv_vjp_input(s, gy, K, h, residual, ci_n):
     """[gy +] h conv3x3^T(s, K); s (B, co, H, W) -> (B, ci, H, W).
@@ -301,14 +372,7 @@ def _conv_vjp_input(s, gy, K, h, residual, ci_n):
         sp = _pad_sample(s, bi)
         acc = np.empty((H, Wd), dtype=s.dtype)
         for ci in range(ci_n):
-            acc[:] = 0
-            for co in range(co_n):
-                for ry in range(3):
-                    for rx in range(3):
-                        k = K[co, ci, 2 - ry, 2 - rx]
-                        for yy in range(H):
-                            for xx in range(Wd):
-                                acc[yy, xx] += k * sp[co, yy + ry, xx + rx]
+            _conv_vjp_plane(sp, K, ci, acc)
             for yy in range(H):
                 for xx in range(Wd):
                     gx[bi, ci, yy, xx] = gy[bi, ci, yy, xx] + h * acc[yy, xx] if residual \
@@ -474,3 +538,426 @@ def _export_batched():
 
 
 _export_batched()
+
+
+# --------------------------------------------------------------------- stacked-state kernels
+# One njit call per Python call: each chain (first, length, out) runs its steps inside the kernel,
+# chains in parallel (prange) when there are threads. Every step writes straight into its output
+# slot through the same per-element code (_combine) as the single-step kernels' epilogues; the
+# dense steps always take the fused np.dot path (never the NumPy route of WIDE, so for float32
+# tanh they pay Numba's scalar tanhf, see WIDE_TANH_F32).
+stacked_states = True  #: has the stacked-state kernels (:data:`mgnn.backend.STACKED_KERNELS`)
+
+
+@njit(cache=True, inline="always")
+def _combine(v, old, u, g, has_g, mode):
+    """The output element from phi's element v (already rounded to the dtype: the single-step
+    epilogues compute x + h sigma in float64 for float32 data, since ``_sig`` unifies to float64)
+    and the old output element: mode 0 (v - u) [+ g], 1 (old + u) - v, 2 v [+ g]."""
+    if mode == 1:
+        return (old + u) - v
+    r = v - u if mode == 0 else v
+    return r + g if has_g else r
+
+
+@njit(cache=True)
+def _sumsq(a):
+    """sum of a's squares accumulated in float64 (a C-contiguous)."""
+    f = a.reshape(-1)
+    acc = np.zeros(8)  # 8 independent partial sums (a fixed order): no add-latency chain
+    n8 = f.size - f.size % 8
+    for k in range(0, n8, 8):
+        for q in range(8):
+            v = np.float64(f[k + q])
+            acc[q] += v * v
+    total = 0.0
+    for k in range(n8, f.size):
+        total += np.float64(f[k]) * np.float64(f[k])
+    for q in range(8):
+        total += acc[q]
+    return total
+
+
+@njit(cache=True)
+def _dense_fwd_step(x, Wl, bl, h, act, z, z2, out, u, g, has_g, mode):
+    np.dot(x, Wl.T, z)
+    # phi (rounded to the dtype) straight into out (modes 0 and 2: out is neither x nor z), or
+    # into the scratch z2 (mode 1 reads out); the mode then in separate passes: no branch and no
+    # read of an array being written inside an element loop, so every loop vectorises
+    _dense_epilogue(x, z, bl, h, act, True, z2 if mode == 1 else out, z, False)
+    _finish_mode(out, z2, u, g, has_g, mode)
+
+
+@njit(cache=True)
+def _finish_mode(out, phi, u, g, has_g, mode):
+    """out (holding phi in modes 0 and 2) to: mode 0 (phi - u) [+ g], 1 (out + u) - phi (phi a
+    separate array), 2 phi [+ g]: the arithmetic of :func:`_combine`, one pass per operation."""
+    o, uu, gg = out.reshape(-1), u.reshape(-1), g.reshape(-1)
+    if mode == 1:
+        p = phi.reshape(-1)
+        for k in range(o.size):
+            o[k] = (o[k] + uu[k]) - p[k]
+        return
+    if mode == 0:
+        for k in range(o.size):
+            o[k] = o[k] - uu[k]
+    if has_g:
+        for k in range(o.size):
+            o[k] = o[k] + gg[k]
+
+
+@njit(cache=True)
+def _dense_adj_step(lam, Wl, Dl, h, s, z, out, u, g, has_g, mode):
+    for r in range(s.shape[0]):
+        for j in range(s.shape[1]):
+            s[r, j] = Dl[r, j] * lam[r, j]
+    np.dot(s, Wl, z)
+    dst = s if mode == 1 else out  # phi (rounded) as in _dense_fwd_step; s is free again
+    for r in range(z.shape[0]):
+        for j in range(z.shape[1]):
+            dst[r, j] = lam[r, j] + h * z[r, j]
+    _finish_mode(out, s, u, g, has_g, mode)
+
+
+@njit(cache=True, inline="always")
+def _conv_out(x, bi, c, h, acc, out, u, g, has_g, mode, act, adjoint):
+    """out[bi, c] from the accumulated plane acc: x + h sigma(acc) (forward) / x + h acc."""
+    for yy in range(acc.shape[0]):
+        for xx in range(acc.shape[1]):
+            xv, old = x[bi, c, yy, xx], out[bi, c, yy, xx]
+            if adjoint:
+                out[bi, c, yy, xx] = xv + h * acc[yy, xx]
+            else:
+                out[bi, c, yy, xx] = xv + h * _sig(acc[yy, xx], act)
+            out[bi, c, yy, xx] = _combine(out[bi, c, yy, xx], old, u[bi, c, yy, xx],
+                                          g[bi, c, yy, xx], has_g, mode)
+
+
+@njit(cache=True)
+def _conv_fwd_step(x, Kl, bl, h, act, xp, acc, out, u, g, has_g, mode):
+    for bi in range(x.shape[0]):
+        _pad_into(x, x, bi, xp, False)
+        for c in range(x.shape[1]):
+            acc[:] = bl[c]
+            _conv_plane(xp, Kl, c, acc)
+            _conv_out(x, bi, c, h, acc, out, u, g, has_g, mode, act, False)
+
+
+@njit(cache=True)
+def _conv_adj_step(lam, Kl, Dl, h, sp, acc, out, u, g, has_g, mode):
+    for bi in range(lam.shape[0]):
+        _pad_into(lam, Dl, bi, sp, True)
+        for c in range(lam.shape[1]):
+            _conv_vjp_plane(sp, Kl, c, acc)
+            _conv_out(lam, bi, c, h, acc, out, u, g, has_g, mode, 0, True)
+
+
+# Each chain body runs one chain (first, n, o): o >= 0 writes R[o] (a point), o < 0 writes U[i].
+# It returns sum ||out||^2 in mode 0. Scratch is allocated once per chain, inside the kernel.
+@njit(cache=True)
+def _dense_fwd_chain(U, G, has_g, R, W, P, d0, first, n, o, layer0, layer_step, h, act, mode):
+    z = np.empty(U.shape[1:], dtype=U.dtype)
+    z2 = np.empty(U.shape[1:], dtype=U.dtype) if mode == 1 else z  # FAS only: phi's scratch
+    total = 0.0
+    for i in range(first, first + n):
+        l = layer0 + i * layer_step
+        out = R[o] if o >= 0 else U[i]
+        _dense_fwd_step(U[i - 1], W[l], P[l], h, act, z, z2, out, U[i], G[i], has_g, mode)
+        total += _sumsq(out) if mode == 0 else 0.0
+    return total
+
+
+@njit(cache=True)
+def _dense_adj_chain(U, G, has_g, R, W, P, d0, first, n, o, layer0, layer_step, h, act, mode):
+    s = np.empty(U.shape[1:], dtype=U.dtype)
+    z = np.empty(U.shape[1:], dtype=U.dtype)
+    total = 0.0
+    for i in range(first, first + n):
+        l = layer0 + i * layer_step
+        out = R[o] if o >= 0 else U[i]
+        _dense_adj_step(U[i - 1], W[l], P[l - d0], h, s, z, out, U[i], G[i], has_g, mode)
+        total += _sumsq(out) if mode == 0 else 0.0
+    return total
+
+
+@njit(cache=True)
+def _conv_fwd_chain(U, G, has_g, R, W, P, d0, first, n, o, layer0, layer_step, h, act, mode):
+    _, _, C, H, Wd = U.shape
+    xp = np.zeros((C, H + 2, Wd + 2), dtype=U.dtype)
+    acc = np.empty((H, Wd), dtype=U.dtype)
+    total = 0.0
+    for i in range(first, first + n):
+        l = layer0 + i * layer_step
+        out = R[o] if o >= 0 else U[i]
+        _conv_fwd_step(U[i - 1], W[l], P[l], h, act, xp, acc, out, U[i], G[i], has_g, mode)
+        total += _sumsq(out) if mode == 0 else 0.0
+    return total
+
+
+@njit(cache=True)
+def _conv_adj_chain(U, G, has_g, R, W, P, d0, first, n, o, layer0, layer_step, h, act, mode):
+    _, _, C, H, Wd = U.shape
+    sp = np.zeros((C, H + 2, Wd + 2), dtype=U.dtype)
+    acc = np.empty((H, Wd), dtype=U.dtype)
+    total = 0.0
+    for i in range(first, first + n):
+        l = layer0 + i * layer_step
+        out = R[o] if o >= 0 else U[i]
+        _conv_adj_step(U[i - 1], W[l], P[l - d0], h, sp, acc, out, U[i], G[i], has_g, mode)
+        total += _sumsq(out) if mode == 0 else 0.0
+    return total
+
+
+# Drivers, serial and parallel (the same chain bodies, so the two agree to the last bit): they
+# return the sum of the chains' norms (mode 0), added in chain order.
+@njit(cache=True)
+def _sum(a):
+    total = 0.0
+    for k in range(a.size):
+        total += a[k]
+    return total
+
+
+@njit(cache=True)
+def _dense_fwd(U, G, has_g, R, W, P, d0, idx, outs, l0, ls, h, act, mode):
+    total = 0.0
+    for c in range(idx.shape[0]):
+        total += _dense_fwd_chain(
+            U, G, has_g, R, W, P, d0, idx[c, 0], idx[c, 1] if idx.shape[1] == 2 else 1,
+            outs[c] if outs.size else -1, l0, ls, h, act, mode)
+    return total
+
+
+@njit(cache=True, parallel=True)
+def _dense_fwd_par(U, G, has_g, R, W, P, d0, idx, outs, l0, ls, h, act, mode):
+    norms = np.zeros(idx.shape[0])
+    for c in prange(idx.shape[0]):
+        norms[c] = _dense_fwd_chain(
+            U, G, has_g, R, W, P, d0, idx[c, 0], idx[c, 1] if idx.shape[1] == 2 else 1,
+            outs[c] if outs.size else -1, l0, ls, h, act, mode)
+    return _sum(norms)
+
+
+@njit(cache=True)
+def _dense_adj(U, G, has_g, R, W, P, d0, idx, outs, l0, ls, h, act, mode):
+    total = 0.0
+    for c in range(idx.shape[0]):
+        total += _dense_adj_chain(
+            U, G, has_g, R, W, P, d0, idx[c, 0], idx[c, 1] if idx.shape[1] == 2 else 1,
+            outs[c] if outs.size else -1, l0, ls, h, act, mode)
+    return total
+
+
+@njit(cache=True, parallel=True)
+def _dense_adj_par(U, G, has_g, R, W, P, d0, idx, outs, l0, ls, h, act, mode):
+    norms = np.zeros(idx.shape[0])
+    for c in prange(idx.shape[0]):
+        norms[c] = _dense_adj_chain(
+            U, G, has_g, R, W, P, d0, idx[c, 0], idx[c, 1] if idx.shape[1] == 2 else 1,
+            outs[c] if outs.size else -1, l0, ls, h, act, mode)
+    return _sum(norms)
+
+
+@njit(cache=True)
+def _conv_fwd(U, G, has_g, R, W, P, d0, idx, outs, l0, ls, h, act, mode):
+    total = 0.0
+    for c in range(idx.shape[0]):
+        total += _conv_fwd_chain(
+            U, G, has_g, R, W, P, d0, idx[c, 0], idx[c, 1] if idx.shape[1] == 2 else 1,
+            outs[c] if outs.size else -1, l0, ls, h, act, mode)
+    return total
+
+
+@njit(cache=True, parallel=True)
+def _conv_fwd_par(U, G, has_g, R, W, P, d0, idx, outs, l0, ls, h, act, mode):
+    norms = np.zeros(idx.shape[0])
+    for c in prange(idx.shape[0]):
+        norms[c] = _conv_fwd_chain(
+            U, G, has_g, R, W, P, d0, idx[c, 0], idx[c, 1] if idx.shape[1] == 2 else 1,
+            outs[c] if outs.size else -1, l0, ls, h, act, mode)
+    return _sum(norms)
+
+
+@njit(cache=True)
+def _conv_adj(U, G, has_g, R, W, P, d0, idx, outs, l0, ls, h, act, mode):
+    total = 0.0
+    for c in range(idx.shape[0]):
+        total += _conv_adj_chain(
+            U, G, has_g, R, W, P, d0, idx[c, 0], idx[c, 1] if idx.shape[1] == 2 else 1,
+            outs[c] if outs.size else -1, l0, ls, h, act, mode)
+    return total
+
+
+@njit(cache=True, parallel=True)
+def _conv_adj_par(U, G, has_g, R, W, P, d0, idx, outs, l0, ls, h, act, mode):
+    norms = np.zeros(idx.shape[0])
+    for c in prange(idx.shape[0]):
+        norms[c] = _conv_adj_chain(
+            U, G, has_g, R, W, P, d0, idx[c, 0], idx[c, 1] if idx.shape[1] == 2 else 1,
+            outs[c] if outs.size else -1, l0, ls, h, act, mode)
+    return _sum(norms)
+
+
+_DRIVERS = {("dense", False): (_dense_fwd, _dense_fwd_par),
+            ("dense", True): (_dense_adj, _dense_adj_par),
+            ("conv", False): (_conv_fwd, _conv_fwd_par),
+            ("conv", True): (_conv_adj, _conv_adj_par)}
+
+
+@njit(cache=True)
+def _index_check(idx, outs, m, n_out):
+    """Compiled twin of :func:`mgnn.backend.numpy_ref.index_check` (same codes, same k)."""
+    n, chains = idx.shape[0], idx.shape[1] == 2
+    for k in range(n):
+        if chains and idx[k, 1] < 0:
+            return 1, k, 0, -1
+    lo, hi = m + 1, 0  # lo > hi: no step
+    for k in range(n):
+        ln = idx[k, 1] if chains else 1
+        if ln > 0:
+            if idx[k, 0] < 1 or idx[k, 0] + ln > m:
+                return (2 if chains else 4), k, 0, -1
+            lo, hi = min(lo, idx[k, 0]), max(hi, idx[k, 0] + ln - 1)
+    for k in range(outs.size):
+        if outs[k] < 0 or outs[k] >= n_out:
+            return 5, k, 0, -1
+    if chains and n > 1:
+        order = np.argsort(idx[:, 0], kind="mergesort")
+        end = -1
+        for k in order:
+            if idx[k, 1] > 0:
+                if end >= 0 and idx[k, 0] <= end:
+                    return 3, k, 0, -1
+                end = idx[k, 0] + idx[k, 1]
+    if outs.size > 1:
+        srt = np.sort(outs)
+        for k in range(1, srt.size):
+            if srt[k] == srt[k - 1]:
+                return 6, srt[k], 0, -1
+    return 0, 0, lo, hi
+
+
+def _check(*args, **kw):
+    return check_stacked(*args, index_check=_index_check, **kw)
+
+
+def _run(kind, adjoint, U, G, R, W, P, d0, idx, outs, layer0, layer_step, h, act, mode,
+         parallel=None):
+    """One driver call; ``parallel`` None: the prange variant iff threads and > 1 chain."""
+    if parallel is None:
+        parallel = idx.shape[0] > 1 and numba.get_num_threads() > 1
+    return _DRIVERS[kind, adjoint][bool(parallel)](
+        U, U if G is None else G, G is not None, U if R is None else R, W, P, d0, idx, outs,
+        layer0, layer_step, h, act, mode)
+
+
+def _stacked_kind(kind):
+    def chains_forward(U, G, W, b, chains, layer0, layer_step, h, act, parallel=None):
+        s, o, h = _check(kind, U, G, W, b, chains, layer0, layer_step, h, act)
+        _run(kind, False, U, G, None, W, b, 0, s, o, layer0, layer_step, h, act, 2, parallel)
+
+    def points_forward(U, G, R, W, b, slots, out_slots, layer0, layer_step, h, act, mode,
+                       parallel=None):
+        s, o, h = _check(kind, U, G, W, b, slots, layer0, layer_step, h, act, R, out_slots, mode)
+        return _run(kind, False, U, G, R, W, b, 0, s, o, layer0, layer_step, h, act, mode,
+                    parallel)
+
+    def chains_adjoint(L, G, W, D, d0, chains, layer0, layer_step, h, parallel=None):
+        s, o, h = _check(kind, L, G, W, D, chains, layer0, layer_step, h, d0=d0)
+        _run(kind, True, L, G, None, W, D, d0, s, o, layer0, layer_step, h, 2, 2, parallel)
+
+    def points_adjoint(L, G, R, W, D, d0, slots, out_slots, layer0, layer_step, h, mode,
+                       parallel=None):
+        s, o, h = _check(kind, L, G, W, D, slots, layer0, layer_step, h, None, R, out_slots,
+                         mode, d0)
+        return _run(kind, True, L, G, R, W, D, d0, s, o, layer0, layer_step, h, 2, mode,
+                    parallel)
+
+    fns = {}
+    for fn in (chains_forward, points_forward, chains_adjoint, points_adjoint):
+        fn.__name__ = fn.__qualname__ = f"{kind}_{fn.__name__}"
+        fn.__doc__ = (f"Numba kernel, one call for all chains / points; contract of "
+                      f":data:`mgnn.backend.STACKED_KERNELS`. ``parallel`` (None: threads and "
+                      f"more than one chain) picks the prange variant.")
+        fns[fn.__name__] = fn
+    return fns
+
+
+globals().update(_stacked_kind("dense"))
+globals().update(_stacked_kind("conv"))
+
+
+# ------------------------------------------------------------ stacked gradient kernels
+# Contract: mgnn.backend.numpy_ref (k_deriv_stacked, k_vjp_params_stacked). One njit call for
+# every layer, through the same per-layer code as the single kernels (bit-identical to them);
+# where a single dense kernel takes the NumPy route (WIDE / WIDE_TANH_F32) the layers loop here
+# over that single kernel instead, so the results stay bit-identical and fast.
+@njit(cache=True)
+def _dense_deriv_stacked(U, first, count, W, b, layer0, act, D):
+    for p in range(count):
+        D[p] = _dense_deriv(U[first + p], W[layer0 + p], b[layer0 + p], act)
+
+
+@njit(cache=True)
+def _dense_vjp_params_stacked(L, l_first, l_stride, D, U, u_first, count, layer0, h, gW, gb):
+    for p in range(count):
+        gWl, gbl = _dense_vjp_params(L[l_first + p * l_stride], D[p], U[u_first + p], h)
+        gW[layer0 + p] = gWl
+        gb[layer0 + p] = gbl
+
+
+@njit(cache=True)
+def _conv_deriv_stacked(U, first, count, K, b, layer0, act, D):
+    one = U.dtype.type(1)
+    for p in range(count):
+        D[p] = _conv_forward(U[first + p], K[layer0 + p], b[layer0 + p], one, act, False,
+                             True)[1]
+
+
+@njit(cache=True)
+def _conv_vjp_params_stacked(L, l_first, l_stride, D, U, u_first, count, layer0, h, gK, gb):
+    for p in range(count):
+        gKl, gbl = _conv_param_grad(_mul(D[p], L[l_first + p * l_stride]), U[u_first + p], h)
+        gK[layer0 + p] = gKl
+        gb[layer0 + p] = gbl
+
+
+def _stacked_grads():
+    import sys
+    from .numpy_ref import check_stacked_grads, stacked_grad_loops
+    loops = stacked_grad_loops(sys.modules[__name__])
+
+    def dense_deriv_stacked(U, first, count, W, b, layer0, act, D):
+        count = check_stacked_grads("dense", U, first, count, W, layer0, D, b)
+        if count and _wide(U.shape[1] * W.shape[1], U.dtype, act):
+            return loops["dense_deriv_stacked"](U, first, count, W, b, layer0, act, D)
+        _dense_deriv_stacked(U, first, count, W, b, layer0, act, D)
+
+    def dense_vjp_params_stacked(L, l_first, l_stride, D, U, u_first, count, layer0, h, gW, gb):
+        count = check_stacked_grads("dense", U, u_first, count, gW, layer0, D, gb, L, l_first,
+                                    l_stride)
+        args = (L, l_first, l_stride, D, U, u_first, count, layer0, U.dtype.type(h), gW, gb)
+        if count and U[0].size >= WIDE:
+            return loops["dense_vjp_params_stacked"](*args)
+        _dense_vjp_params_stacked(*args)
+
+    def conv_deriv_stacked(U, first, count, K, b, layer0, act, D):
+        count = check_stacked_grads("conv", U, first, count, K, layer0, D, b)
+        _conv_deriv_stacked(U, first, count, K, b, layer0, act, D)
+
+    def conv_vjp_params_stacked(L, l_first, l_stride, D, U, u_first, count, layer0, h, gK, gb):
+        count = check_stacked_grads("conv", U, u_first, count, gK, layer0, D, gb, L, l_first,
+                                    l_stride)
+        _conv_vjp_params_stacked(L, l_first, l_stride, D, U, u_first, count, layer0,
+                                 U.dtype.type(h), gK, gb)
+
+    fns = {}
+    for fn in (dense_deriv_stacked, dense_vjp_params_stacked, conv_deriv_stacked,
+               conv_vjp_params_stacked):
+        fn.__doc__ = ("Numba kernel, one call for every layer; contract of "
+                      ":data:`mgnn.backend.STACKED_GRAD_KERNELS`.")
+        fns[fn.__name__] = fn
+    return fns
+
+
+globals().update(_stacked_grads())

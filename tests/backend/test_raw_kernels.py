@@ -97,7 +97,43 @@ def _exercise(bk, rng, dt, B=9, w=10):
         "avgpool": ((bk.avgpool_forward(u, 2), bk.avgpool_vjp(gu[:, :, :2, :2].copy(), 4, 4)),
                     (REF.avgpool_forward(u, 2), REF.avgpool_vjp(gu[:, :, :2, :2], 4, 4))),
         "softmax_xent": (bk.softmax_xent(logits, y), REF.softmax_xent(logits, y)),
+        "stacked": (_stacked(bk, dt, B, w), _stacked(REF, dt, B, w)),
+        "stacked_grads": (_stacked_grads(bk, dt, B, w), _stacked_grads(REF, dt, B, w)),
     }
+    return out
+
+
+def _stacked(bk, dt, B, w):
+    """Every stacked-state kernel of ``bk`` once (both kinds, G given/None, modes 0 and 1, a
+    negative layer step) on fixed inputs: [U, R, norms] per kind."""
+    rng = np.random.default_rng(5)
+    r = lambda *s: rng.standard_normal(s).astype(dt)  # noqa: E731
+    h, chains, out = np.dtype(dt).type(0.3), np.array([[1, 2], [4, 1]]), []
+    for kind, state, P, X in (("dense", (B, w), r(4, w, w) * 0.5, r(4, w)),
+                              ("conv", (2, 3, 4, 4), r(4, 3, 3, 3, 3) * 0.3, r(4, 3))):
+        U, G, R, D = r(5, *state), r(5, *state), r(2, *state), np.abs(r(4, *state))
+        f = lambda name: getattr(bk, f"{kind}_{name}")  # noqa: E731
+        f("chains_forward")(U, G, P, X, chains, -1, 1, h, 0)
+        f("chains_adjoint")(U, None, P, D, 0, chains, 4, -1, h)
+        norms = [f("points_forward")(U, G, R, P, X, [2, 4], [0, 1], -1, 1, h, 0, 0),
+                 f("points_adjoint")(U, None, R, P, D, 0, [3, 1], [1, 0], 4, -1, h, 1)]
+        out += [U, R, norms]
+    return out
+
+
+def _stacked_grads(bk, dt, B, w):
+    """The stacked gradient kernels of ``bk`` once per kind (an adjoint store read backwards):
+    [D, gW, gb] per kind."""
+    rng = np.random.default_rng(6)
+    r = lambda *s: rng.standard_normal(s).astype(dt)  # noqa: E731
+    out = []
+    for kind, state, P in (("dense", (B, w), r(4, w, w) * 0.5),
+                           ("conv", (2, 3, 4, 4), r(4, 3, 3, 3, 3) * 0.3)):
+        U, L, b = r(5, *state), r(5, *state), r(4, state[1])
+        D, gW, gb = np.zeros((3,) + state, dt), np.zeros_like(P), np.zeros_like(b)
+        getattr(bk, f"{kind}_deriv_stacked")(U, 1, 3, P, b, 1, 0, D)
+        getattr(bk, f"{kind}_vjp_params_stacked")(L, 4, -1, D, U, 0, 3, 1, dt.type(0.3), gW, gb)
+        out += [D, gW, gb]
     return out
 
 
