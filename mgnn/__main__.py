@@ -55,6 +55,9 @@ def _train_parser(sub):
                    help="cycle 0 is a cascadic initial guess (XBraid's skip)")
     g.add_argument("--warm-start", action="store_true",
                    help="start each forward solve from the previous batch's states")
+    g.add_argument("--coarsest", choices=["redundant", "sequential"], default="redundant",
+                   help="coarsest MGRIT level across layer ranks: solved by every rank after one "
+                        "allgather (default) or passed along the ranks as a chain")
     m = p.add_argument_group("MPI (run under mpiexec -n P; P = layer ranks x data ranks)")
     m.add_argument("--layer-ranks", type=int, default=None,
                    help="ranks sharing the layers (default P / data ranks)")
@@ -164,7 +167,7 @@ def _nrelax(args):
 def _check_layer_ranks(args, layer_ranks):
     """Every layer rank must own a layer that starts a coarse interval (said in layers/ranks)."""
     align = args.cf if args.levels > 1 else 1
-    most = args.layers // align + 1
+    most = -(-args.layers // align)
     if layer_ranks > most:
         why = f" with --cf {args.cf}" if align > 1 else ""
         raise ValueError(f"{layer_ranks} layer ranks but --layers {args.layers}{why} allow at most "
@@ -357,7 +360,8 @@ def cmd_train(args, comm=None):
             log(f"GPUs: rank 0 on device {gpu}; every rank takes node-local rank mod GPU count")
     lp = _agreed(comm, lambda: LayerParallel(model, fwd=fwd, bwd=bwd, backend=args.backend,
                                              warm_start=args.warm_start, comm=comm,
-                                             data_ranks=args.data_ranks))
+                                             data_ranks=args.data_ranks,
+                                             coarsest=args.coarsest))
     # after LayerParallel: the cuda backend has moved the parameters to the GPU
     opt = make_optimizer(args.optimizer, model.params.flat, lr, args.momentum, args.weight_decay)
     rng = np.random.default_rng(args.seed)
@@ -373,7 +377,8 @@ def cmd_train(args, comm=None):
     if comm is not None:
         log(f"MPI: {lp.layout.size} ranks = {lp.layout.layer_size} layer ranks x "
             f"{lp.layout.data_ranks} data replicas; layer blocks start at "
-            f"{list(lp.partition.starts)}; messages: {lp.message_path()}")
+            f"{list(lp.partition.starts)} (balanced: modelled layer evaluations per step "
+            f"{[round(w) for w in lp.block_work]}); messages: {lp.message_path()}")
     if fwd is not None:
         from .mgrit import level_sizes
         sizes = level_sizes(args.layers, args.cf, args.levels, args.min_coarse)
@@ -417,7 +422,7 @@ def _print_timings(comm, lp, timings, train_s, log):
     other = train_s - sum(timings.get(k, 0.0) for k in phases)
     row = (lp.layout.rank, lp.layout.layer_rank, lp.layout.replica,
            *(timings.get(k, 0.0) for k in phases), other, train_s,
-           lp.threads["blas"], lp.threads["numba"])
+           lp.threads["blas"], lp.threads["numba"], lp.block_work[lp.layout.layer_rank])
     rows = [row] if comm is None else comm.gather(row, root=0)
     if rows is None:
         return
@@ -428,10 +433,12 @@ def _print_timings(comm, lp, timings, train_s, log):
            "halo wait / other" if lp.xp is not np else ""))
     log(f"{'rank':>5} {'layer':>5} {'replica':>7} {'steps':>9} {'vector':>9} {'halo wait':>10} "
         f"{'allreduce':>10} {'staging':>9} {'other':>9} {'total':>9} {'BLAS thr':>8} "
-        f"{'Numba thr':>9}")
+        f"{'Numba thr':>9} {'work/step':>9}")
     for r in rows:
         log(f"{r[0]:>5} {r[1]:>5} {r[2]:>7} {r[3]:9.3f} {r[4]:9.3f} {r[5]:10.3f} {r[6]:10.3f} "
-            f"{r[7]:9.3f} {r[8]:9.3f} {r[9]:9.3f} {r[10]!s:>8} {r[11]!s:>9}")
+            f"{r[7]:9.3f} {r[8]:9.3f} {r[9]:9.3f} {r[10]!s:>8} {r[11]!s:>9} {r[12]:9.0f}")
+    log("work/step: modelled layer evaluations per training step of the rank's layer block "
+        "(the balanced partition's cost model, docs/design.md)")
     log(f"rank 0 {describe_threads(lp.threads)}")
 
 
@@ -449,7 +456,8 @@ def cmd_bench(args):
         results = bench_gpu_launches(n_layers=128 if args.quick else 1024)
         text = format_gpu_launches(results)
     else:
-        results = bench_mgrit(n_layers=64 if args.quick else 256)
+        results = [r for w in (16, 64)
+                   for r in bench_mgrit(n_layers=64 if args.quick else 256, width=w)]
         text = format_mgrit(results)
     if args.json:
         for r in results:

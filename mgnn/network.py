@@ -4,6 +4,7 @@ A model owns its parameters as a :class:`mgnn.params.ParamDict` with the names o
 "Public API": ``opening.weight``, ``opening.bias``, ``steps.weight`` (N, ...), ``steps.bias`` (N, ...),
 ``closing.weight``, ``closing.bias``.
 """
+import contextlib
 import numbers
 import time
 
@@ -13,7 +14,7 @@ from .backend import check_dtype, get_backend, is_device_array, to_host, vector_
 from .comm import Layout, abort_on_error, agree_on_errors, configure_threads, wait_request
 from .comm.halo import tag
 from .mgrit import DivergenceError, MGRITOptions, MGRITSolver, hierarchy
-from .mgrit.partition import Partition, block_starts
+from .mgrit.partition import Partition, balanced_starts, block_work, layer_work
 from .blocks import (ConvOpening, ConvStep, DenseClosing, DenseOpening, DenseStep, PoolClosing,
                      SoftmaxCrossEntropy)
 from .params import ParamDict
@@ -183,6 +184,25 @@ class ForwardPropagator:
         self.h, self.dtype = model.t_final / model.n_layers, model.dtype
         self.batched = bool(getattr(bk, "batched_relaxation", False))
         self.fused_rhs = True  # step_batch adds the FAS rhs in the kernel's epilogue
+        self.stacked = _has_stacked(bk)
+        self.replicas = {}
+
+    def advance(self, U, G, chains, origin, stride, level):
+        """Stacked relaxation (:class:`mgnn.mgrit.engines.StackedEngine`): slot i is fine index
+        origin + i stride; the step into it applies layer origin + (i - 1) stride."""
+        h = self.dtype.type(stride * self.h)
+        self.kind.chains_forward(self.W, self.b, U, G, chains, origin - stride, stride, h, self.bk)
+
+    def points(self, U, G, R, slots, out_slots, origin, stride, level, mode):
+        """Stacked residual / FAS / plain steps (see :meth:`advance`)."""
+        h = self.dtype.type(stride * self.h)
+        return self.kind.points_forward(self.W, self.b, U, G, R, slots, out_slots, origin - stride,
+                                        stride, h, mode, self.bk)
+
+    def coarse_replica(self, level):
+        """The :class:`CoarseReplica` of ``level`` set by :meth:`LayerParallel` for this solve
+        (None: the level is solved as a chain across ranks)."""
+        return self.replicas.get(level)
 
     def step_batch(self, us, starts, stops, level, rhs=None):
         """[step(us[p], starts[p], stops[p], level) (+ rhs[p])] in one batched kernel call (one
@@ -221,6 +241,36 @@ class AdjointPropagator:
         self.U, self.D = states, derivs
         self.batched = bool(getattr(bk, "batched_relaxation", False))
         self.fused_rhs = True
+        self.stacked = _has_stacked(bk)
+        self.derivs, self.d0 = None, 0  # sigma' of layers d0, d0 + 1, ... as one array
+        self.replicas = {}
+
+    coarse_replica = ForwardPropagator.coarse_replica
+
+    def advance(self, L, G, chains, origin, stride, level):
+        """Stacked relaxation: slot i is reversed index origin + i stride; the step into it is
+        the vjp of layer N - origin - i stride with sigma' from :attr:`derivs`."""
+        h = self.dtype.type(stride * self.h)
+        self.kind.chains_adjoint(self.W, *self._stacked_derivs(), L, G, chains, self.N - origin,
+                                 -stride, h, self.bk)
+
+    def points(self, L, G, R, slots, out_slots, origin, stride, level, mode):
+        """Stacked residual / FAS / plain adjoint steps (see :meth:`advance`)."""
+        h = self.dtype.type(stride * self.h)
+        return self.kind.points_adjoint(self.W, *self._stacked_derivs(), L, G, R, slots,
+                                        out_slots, self.N - origin, -stride, h, mode, self.bk)
+
+    def _stacked_derivs(self):
+        """(sigma' array, first layer): :attr:`derivs` if set, else built once from ``derivs``
+        of the constructor (an (N, ...) array, or a list recomputed where None)."""
+        if self.derivs is None:
+            D = self.D
+            if not hasattr(D, "shape"):
+                D = self.bk.xp.stack([
+                    d if d is not None else self.kind.deriv(self.W[n], self.b[n], self.U[n],
+                                                            self.bk) for n, d in enumerate(D)])
+            self.derivs, self.d0 = D, 0
+        return self.derivs, self.d0
 
     def step_batch(self, lams, starts, stops, level, rhs=None):
         """[step(lams[p], starts[p], stops[p], level) (+ rhs[p])] in one batched kernel call."""
@@ -238,6 +288,37 @@ class AdjointPropagator:
         h = self.dtype.type((stop - start) * self.h)
         return self.kind.vjp_state(self.W[n], self.b[n], self.U[n], h, lam, self.bk,
                                    deriv=self.D[n])
+
+
+class CoarseReplica:
+    """Steps every point of one coarse MGRIT level on every rank (the redundant coarsest solve),
+    from compact copies of that level's layers: row r holds layer r S (forward) or N - (r + 1) S
+    (adjoint; with sigma' of that layer), S the level's fine stride. Same step methods and index
+    conventions as :class:`ForwardPropagator` / :class:`AdjointPropagator`.
+    """
+
+    fresh_outputs = True
+
+    def __init__(self, prop, W, second, stride, adjoint):
+        self.kind, self.bk, self.h, self.dtype = prop.kind, prop.bk, prop.h, prop.dtype
+        self.W, self.second, self.S, self.adjoint = W, second, stride, adjoint
+        self.stacked = prop.stacked
+
+    def advance(self, U, G, chains, origin, stride, level):
+        h = self.dtype.type(stride * self.h)
+        row0 = origin // stride - 1  # the step into slot i uses row row0 + i
+        if self.adjoint:
+            self.kind.chains_adjoint(self.W, self.second, 0, U, G, chains, row0, 1, h, self.bk)
+        else:
+            self.kind.chains_forward(self.W, self.second, U, G, chains, row0, 1, h, self.bk)
+
+    def step(self, u, start, stop, level):
+        h = self.dtype.type((stop - start) * self.h)
+        if self.adjoint:
+            r = stop // self.S - 1
+            return self.kind.vjp_state(self.W[r], None, None, h, u, self.bk, deriv=self.second[r])
+        r = start // self.S
+        return self.kind.forward(self.W[r], self.second[r], u, h, self.bk)
 
 
 class LayerParallel:
@@ -273,6 +354,11 @@ class LayerParallel:
         and DLMG do.
     overlap : bool
         Overlap halo messages with computation (default; ``False`` is the benchmark baseline).
+    coarsest : {'redundant', 'sequential'}
+        How a distributed MGRIT solve treats its coarsest level: 'redundant' (default) gathers
+        the level's right-hand sides and every rank steps the whole level with compact copies of
+        its layers (refreshed from their owners at each solve: one small allreduce), 'sequential'
+        passes the solution along the ranks as a chain.
     threads : 'auto', int or None
         BLAS and Numba threads of this process (:func:`mgnn.comm.configure_threads`). 'auto'
         (default): with more than one rank, each rank gets ``max(1, cores // ranks sharing
@@ -293,7 +379,7 @@ class LayerParallel:
     """
 
     def __init__(self, model, fwd=None, bwd=None, comm=None, backend="numba", warm_start=False,
-                 data_ranks=1, overlap=True, threads="auto"):
+                 data_ranks=1, overlap=True, threads="auto", coarsest="redundant"):
         if not isinstance(model, Model):
             raise TypeError(f"model must be an mgnn Model, got {type(model).__name__}")
         for name, opt in (("fwd", fwd), ("bwd", bwd)):
@@ -321,20 +407,30 @@ class LayerParallel:
         if self.xp is not np:
             model.params = model.params.to(self.xp)
         N, P = model.n_layers, self.layout.layer_size
-        align = fwd.cf if fwd is not None else 1
-        self.partition = Partition(N, tuple(block_starts(N + 1, P, align)), tuple(range(P)))
-        self.adjoint_partition = self.partition.mirrored()
         self._serial_opts = MGRITOptions(max_levels=1)
         for opt in (fwd, bwd):  # validates the hierarchy against N before any kernel runs
             if opt is not None:
                 hierarchy(N, opt)
                 opt.for_dtype(model.dtype)  # a tolerance the dtype cannot resolve: rejected
+        if coarsest not in ("redundant", "sequential"):
+            raise ValueError(f"coarsest must be 'redundant' or 'sequential', got {coarsest!r}")
+        self.coarsest = coarsest
+        work = layer_work_model(N, fwd, bwd, coarsest)
+        align = fwd.cf if fwd is not None else 1
+        starts = balanced_starts(N, P, align, work=work, extra_first=OPENING_WORK,
+                                 extra_last=CLOSING_WORK)
+        self.partition = Partition(N, tuple(starts), tuple(range(P)))
+        self.adjoint_partition = self.partition.mirrored()
+        #: modelled layer evaluations per training step of each layer rank (balanced)
+        self.block_work = block_work(N, starts, work=work, extra_first=OPENING_WORK,
+                                     extra_last=CLOSING_WORK)
         lo, hi = self.partition.fine_range(self.layout.layer_rank)
         self.layers = range(lo, min(hi, N))
         self.owned = self._owned_mask()
         self.stats = {}
         self._previous_states = None
         self._solvers = {}
+        self._replica_buffers, self._replica_seconds = {}, 0.0
 
     @property
     def stats(self):
@@ -449,11 +545,11 @@ class LayerParallel:
         logits, c_close = m.closing.forward(m.group("closing"), U[-1], bk)
         return logits, (d_open, U, D, c_close)
 
-    def _serial_loss_and_grad(self, x, y):
+    def _serial_loss_and_grad(self, x, y, out=None):
         m, bk = self.model, self.bk
         logits, (d_open, U, D, c_close) = self._forward(x, store=True)
         loss, g = m.loss.forward_grad(logits, y, bk)
-        grads = m.params.zeros_like()
+        grads = m.params.zeros_like() if out is None else out  # every entry is written below
         lam, gc = m.closing.vjp(m.group("closing"), U[-1], c_close, g, bk)
         steps = m.group("steps")
         lam = m.step.sweep_backward(steps["weight"], steps["bias"], U, D, m.h, lam,
@@ -498,7 +594,8 @@ class LayerParallel:
                                              partition=part, norm_comm=lay.comm,
                                              abort_on_error=False, overlap=self.overlap,
                                              ops=vector_ops(self.backend),
-                                             xp=None if self.xp is np else self.xp)
+                                             xp=None if self.xp is np else self.xp,
+                                             reuse_states=True, coarsest=self.coarsest)
         return self._solvers[key]
 
     def _distributed_forward(self, x, opts, guess=None):
@@ -507,8 +604,13 @@ class LayerParallel:
         if lay.first:
             u0, d_open = m.opening.forward(m.group("opening"), x, bk)
         else:
-            u0, d_open = self.xp.zeros(m.step.state_shape(x.shape[0]), dtype=m.dtype), None
-        res = self._solver("forward", opts).solve(u0, guess)
+            shape = m.step.state_shape(x.shape[0])  # a template only: zeros, kept per shape
+            if getattr(self, "_zero_u0", None) is None or self._zero_u0.shape != shape:
+                self._zero_u0 = self.xp.zeros(shape, dtype=m.dtype)
+            u0, d_open = self._zero_u0, None
+        solver = self._solver("forward", opts)
+        self._refresh_replica(solver)
+        res = solver.solve(u0, guess)
         return res, d_open
 
     def logits(self, x):
@@ -530,32 +632,72 @@ class LayerParallel:
         """Predicted class indices (B,) int64 for inputs x (B, ...)."""
         return self.xp.argmax(self.logits(x), axis=1)
 
-    def loss_and_grad(self, x, y):
+    def loss_and_grad(self, x, y, out=None):
         """Mean softmax cross-entropy of the (global) batch and its gradient.
 
         Parameters
         ----------
         x : ndarray (B, ...) of the model's dtype -- this replica's shard
         y : ndarray (B,) of integers in [0, K)
+        out : ParamDict or None
+            A gradient buffer to fill and return instead of a new one (e.g. the previous call's
+            ``grads``, or ``model.params.zeros_like()`` made after the LayerParallel): a
+            training loop that passes the same ``out`` every step allocates no gradient
+            buffer. Same names, shapes, dtype and array module as ``model.params``, and not
+            ``model.params`` itself.
 
         Returns
         -------
         loss : float
             Of the global batch (all replicas' samples), on every rank.
         grads : ParamDict
-            Same names and shapes as ``model.params`` (a new buffer each call); in a distributed
-            run only the entries of this rank's layers are set (others are zero), summed over the
-            replicas. :meth:`gather` assembles every entry on every rank.
+            ``out``, or a new buffer each call; same names and shapes as ``model.params``. In
+            a distributed run only the entries of this rank's layers are set (others are
+            zero), summed over the replicas. :meth:`gather` assembles every entry on every rank.
         """
+        self._agree_out(out)
         x, y = self._validated(x, y)
         lay = self.layout
         if lay.size == 1 and self.fwd is None and self.bwd is None:
-            return self._serial_loss_and_grad(x, y)
+            return self._serial_loss_and_grad(x, y, out)
         # a divergence is seen in the residual summed over every rank: raised on all alike
         with abort_on_error(lay.comm, "mgnn", collective=(DivergenceError,)):
-            return self._general_loss_and_grad(x, y)
+            return self._general_loss_and_grad(x, y, out)
 
-    def _general_loss_and_grad(self, x, y):
+    def _agree_out(self, out):
+        """:meth:`_check_out` on every rank alike (a bad ``out`` anywhere raises everywhere)."""
+        if out is not None:
+            err = None
+            try:
+                self._check_out(out)
+            except (TypeError, ValueError) as exc:
+                err = exc
+            agree_on_errors(self.layout.comm, err)
+
+    def _check_out(self, out):
+        """``out`` of :meth:`loss_and_grad` must be a ParamDict laid out like model.params."""
+        p = self.model.params
+        if not isinstance(out, ParamDict):
+            raise TypeError(f"out must be a ParamDict (e.g. model.params.zeros_like()), got "
+                            f"{type(out).__name__}")
+        if getattr(out, "offsets", None) != p.offsets or out.shapes() != p.shapes():
+            raise ValueError(f"out has parameters {out.shapes()}, expected model.params' "
+                             f"{p.shapes()}")
+        if type(out.flat) is not type(p.flat) or out.flat.dtype != p.flat.dtype:
+            raise TypeError(f"out holds {type(out.flat).__name__} {out.flat.dtype}; expected "
+                            f"{type(p.flat).__name__} {p.flat.dtype} like model.params")
+        if out.flat is p.flat or (out.flat.base is not None and out.flat.base is p.flat.base):
+            raise ValueError("out is model.params itself; pass a separate gradient buffer")
+
+    def _general_loss_and_grad(self, x, y, out=None):
+        """MGRIT (or distributed) loss and gradient; on a backend with a workspace
+        (:meth:`mgnn.backend.cupy_raw.RawBackend.workspace`) the step's temporaries are reused
+        buffers: nothing is allocated after the first step of a shape."""
+        ws = getattr(self.bk, "workspace", None)
+        with ws() if callable(ws) else contextlib.nullcontext():
+            return self._general_step(x, y, out)
+
+    def _general_step(self, x, y, out):
         t_start = time.perf_counter()
         m, bk, lay = self.model, self.bk, self.layout
         N = m.n_layers
@@ -576,6 +718,7 @@ class LayerParallel:
             guess = prev[0].__getitem__
         steps = m.group("steps")
         W, b = steps["weight"], steps["bias"]
+        self._replica_seconds = 0.0
         res, d_open = self._distributed_forward(x, self.fwd or self._serial_opts, guess)
         add(res)
         if self.fwd is not None:
@@ -584,17 +727,31 @@ class LayerParallel:
             if self.warm_start:
                 self._previous_states = (res.states, batch)
         U = res.states
-        D = [None] * N
+        owned = self.layers
+        lo, hi = owned.start, owned.stop
+        # stacked: sigma' and parameter gradients read straight from the solvers' stores (one
+        # call each, no per-layer Python, no pointer arrays); else the batched list forms
+        stacked = res.store is not None and _has_stacked_grads(bk)
         t0 = time.perf_counter()
-        # the batched forms: one launch on a GPU, the per-layer loop on a CPU backend
-        owned = list(self.layers)
-        for n, d in zip(owned, m.step.deriv_batched(W, b, [U[n] for n in owned], owned, bk)):
-            D[n] = d
+        template = U[lo] if len(owned) else U[N]
+        derivs = self._derivs_buffer(template, len(owned))  # sigma' of layer n in row n - lo
+        if stacked:
+            Uf, a_f = res.store  # state n in slot n - a_f + 1
+            m.step.deriv_stacked(W, b, Uf, lo - a_f + 1, len(owned), lo, derivs, bk)
+            D = _Rows(derivs, lo)
+        else:
+            D = [None] * N
+            for k, d in enumerate(m.step.deriv_batched(W, b, [U[n] for n in owned],
+                                                       list(owned), bk)):
+                derivs[k] = d
+                D[owned[k]] = derivs[k]
         timings["steps"] += time.perf_counter() - t0
-        grads = m.params.zeros_like()
+        if out is None:
+            grads = ParamDict.allocate(m.params.shapes(), m.dtype, self.xp)
+        else:
+            grads = self._zero_unowned(out)
         buckets = _Buckets(lay.data_comm, grads)
         loss_part = 0.0
-        lam_N = self.xp.zeros_like(U[self.layers.start] if len(self.layers) else U[N])
         if lay.last:
             logits, c_close = m.closing.forward(m.group("closing"), U[N], bk)
             loss, g = m.loss.forward_grad(logits, y, bk)
@@ -604,8 +761,14 @@ class LayerParallel:
             for k, v in gc.items():
                 grads[f"closing.{k}"][...] = v
             buckets.start("closing.weight", "closing.bias")
+        elif stacked:  # the stacked engine copies u0 into its store: a cached zero serves
+            lam_N = self._zero_state(template)
+        else:
+            lam_N = self.xp.zeros_like(template)
         solver = self._solver("adjoint", self.bwd or self._serial_opts)
         solver.prop.U, solver.prop.D = U, D
+        solver.prop.derivs, solver.prop.d0 = derivs, lo
+        self._refresh_replica(solver, derivs)
         adj = solver.solve(lam_N)
         add(adj)
         if self.bwd is not None:
@@ -617,19 +780,29 @@ class LayerParallel:
         finish = self._exchange_adjoint_halo(lam, timings)
         gW, gb = grads["steps.weight"], grads["steps.bias"]
         t0 = time.perf_counter()
-        # every layer whose adjoint is here, then (after the halo) the last layer
-        ready = [n for n in owned if lam[n + 1] is not None]
-        rest = [n for n in owned if lam[n + 1] is None]
-        for group in (ready, rest):
+        # every layer whose adjoint is here (a prefix of the owned layers: all but the last
+        # one unless lam at index hi is here too), then (after the halo) the last layer
+        n_ready = len(owned) if lam[hi] is not None else max(len(owned) - 1, 0)
+        ready, rest = owned[:n_ready], owned[n_ready:]
+        if stacked and adj.store is not None:
+            L, a_l = adj.store  # lam at forward n + 1 = adjoint point N - n - 1: slot N - n - a_l
+            m.step.vjp_params_stacked(L, N - lo - a_l, -1, derivs, res.store[0], lo - a_f + 1,
+                                      n_ready, lo, m.dtype.type(m.h), gW, gb, bk)
+            groups = (rest,)
+        else:
+            groups = (ready, rest)
+        for group in groups:
             if group is rest:
                 t1 = time.perf_counter()
                 finish()
                 t0 += time.perf_counter() - t1  # the wait is halo time, not step time
-            m.step.vjp_params_batched([U[n] for n in group], m.h, [lam[n + 1] for n in group],
-                                      [D[n] for n in group], group, gW, gb, bk)
+            if len(group):
+                m.step.vjp_params_batched([U[n] for n in group], m.h,
+                                          [lam[n + 1] for n in group], [D[n] for n in group],
+                                          list(group), gW, gb, bk)
         timings["steps"] += time.perf_counter() - t0
         finish()
-        buckets.start("steps.weight", "steps.bias", self.layers.start, self.layers.stop)
+        buckets.start("steps.weight", "steps.bias", lo, hi)
         if lay.first:
             _, go = m.opening.vjp(m.group("opening"), x, d_open, lam[0], bk)
             for k, v in go.items():
@@ -638,7 +811,7 @@ class LayerParallel:
         t0 = time.perf_counter()
         buckets.wait()
         loss = loss_part if lay.comm is None else lay.comm.allreduce(loss_part)
-        timings["allreduce"] += time.perf_counter() - t0
+        timings["allreduce"] += time.perf_counter() - t0 + self._replica_seconds
         timings["total"] = time.perf_counter() - t_start
         timings["other"] = timings["total"] - timings["steps"] - timings["vector"] \
             - timings["halo_wait"] - timings["allreduce"] - timings["staging"]
@@ -646,6 +819,68 @@ class LayerParallel:
         stats["mpi_path"] = getattr(solver.halo, "path", "host")
         self.stats = stats
         return float(loss), grads
+
+    def _zero_unowned(self, grads):
+        """Zero the entries of ``grads`` this rank does not compute (none on a single rank);
+        returns ``grads``."""
+        lay, (lo, hi) = self.layout, (self.layers.start, self.layers.stop)
+        for k, v in grads.items():
+            group = k.split(".")[0]
+            if group == "steps":
+                v[:lo] = 0
+                v[hi:] = 0
+            elif not (lay.first if group == "opening" else lay.last):
+                v[...] = 0
+        return grads
+
+    def _zero_state(self, like):
+        """A cached all-zero array shaped like ``like`` (never written: read-only use)."""
+        key = (tuple(like.shape), like.dtype.str)
+        if getattr(self, "_zeros", (None,))[0] != key:
+            self._zeros = (key, self.xp.zeros(like.shape, like.dtype))
+        return self._zeros[1]
+
+    def _refresh_replica(self, solver, derivs=None):
+        """Before a solve with a redundant coarsest level: every rank gets the coarsest level's
+        layers (forward: weights and biases; adjoint: weights and sigma' ``derivs`` of this
+        rank's layers) from their owners, one allreduce of a zero-filled buffer (exact copies)."""
+        if solver.coarsest != "redundant":
+            return
+        m, lay = self.model, self.layout
+        lev = len(solver.sizes) - 1
+        S, n_c, N = solver.levels[lev].s, solver.sizes[lev], m.n_layers
+        adjoint = derivs is not None
+        steps = m.group("steps")
+        W = steps["weight"]
+        second = derivs if adjoint else steps["bias"]
+        rows = [N - (r + 1) * S for r in range(n_c)] if adjoint else [r * S for r in range(n_c)]
+        shape2 = second.shape[1:]
+        key = (adjoint, shape2)
+        cache = self._replica_buffers.get(key)
+        if cache is None:
+            size_w, size_2 = n_c * W[0].size, n_c * int(np.prod(shape2, dtype=np.int64))
+            flat = self.xp.empty(size_w + size_2, dtype=m.dtype)
+            cache = self._replica_buffers[key] = (
+                flat, flat[:size_w].reshape((n_c,) + W.shape[1:]),
+                flat[size_w:].reshape((n_c,) + shape2))
+        flat, Wc, Sc = cache
+        flat[...] = 0
+        lo, hi = self.layers.start, self.layers.stop
+        for r, n in enumerate(rows):
+            if lo <= n < hi:
+                Wc[r] = W[n]
+                Sc[r] = second[n - lo] if adjoint else second[n]
+        t0 = time.perf_counter()
+        _allreduce_staged(lay.layer_comm, flat, polled=True)
+        self._replica_seconds += time.perf_counter() - t0
+        solver.prop.replicas = {lev: CoarseReplica(solver.prop, Wc, Sc, S, adjoint)}
+
+    def _derivs_buffer(self, like, n):
+        """A reused (n, *state) array for sigma' of this rank's layers (states like ``like``)."""
+        key = (n,) + tuple(like.shape) + (like.dtype.str,)
+        if getattr(self, "_derivs_key", None) != key:
+            self._derivs, self._derivs_key = self.xp.empty((n,) + like.shape, like.dtype), key
+        return self._derivs
 
     def _exchange_adjoint_halo(self, lam, timings):
         """Start the exchange of lam at forward index hi (the next layer rank's first point, needed
@@ -699,6 +934,62 @@ class LayerParallel:
         return out
 
 
+#: Work of the opening layer (first layer rank) and of the closing layer + loss (last layer rank)
+#: in layer evaluations, for balancing the layer blocks (rough: an affine map each way).
+OPENING_WORK, CLOSING_WORK = 2.0, 3.0
+
+
+def layer_work_model(n_layers, fwd, bwd, coarsest="redundant"):
+    """Modelled layer evaluations of each layer in one training step (N,) float64: the forward
+    and adjoint solves (MGRIT cycles by :func:`mgnn.mgrit.partition.layer_work`, the final
+    F-relaxation, or one evaluation each layer by layer) and the parameter gradient."""
+    from .mgrit.hierarchy import level_sizes
+    work = np.ones(n_layers)  # the parameter gradient of every layer
+    for opts, mirrored in ((fwd, False), (bwd, True)):
+        if opts is None:
+            work += 1.0
+            continue
+        sizes = level_sizes(n_layers, opts.cf, opts.max_levels, opts.min_coarse)
+        if len(sizes) == 1:
+            work += 1.0
+            continue
+        cascadic = 1 if opts.skip_downcycle else 0
+        for skip, count in ((True, cascadic), (False, opts.max_iter - cascadic)):
+            if count:
+                work += count * layer_work(n_layers, opts.cf, sizes, opts.nrelax_on, skip=skip,
+                                           cycle=opts.cycle, coarsest=coarsest,
+                                           mirrored=mirrored)
+        work += 1.0  # the final F-relaxation (F-points only: an upper bound)
+    return work
+
+
+def _has_stacked(bk):
+    """Whether backend ``bk`` provides the stacked-state kernels (mgnn.backend.STACKED_KERNELS)."""
+    from .backend import STACKED_KERNELS
+    return bool(getattr(bk, "stacked_states", False)) and all(
+        callable(getattr(bk, k, None)) for k in STACKED_KERNELS)
+
+
+def _has_stacked_grads(bk):
+    """Whether ``bk`` has the stacked gradient kernels (mgnn.backend.STACKED_GRAD_KERNELS)."""
+    from .backend import STACKED_GRAD_KERNELS
+    return _has_stacked(bk) and all(callable(getattr(bk, k, None)) for k in STACKED_GRAD_KERNELS)
+
+
+class _Rows:
+    """``rows[n]`` = ``A[n - first]`` for the rows of A, else None: per-layer access to one
+    stacked array without a Python object per layer."""
+
+    __slots__ = ("A", "first")
+
+    def __init__(self, A, first):
+        self.A, self.first = A, first
+
+    def __getitem__(self, n):
+        k = n - self.first
+        return self.A[k] if 0 <= k < self.A.shape[0] else None
+
+
 def _exact_stats():
     """``stats`` of exact (layer-by-layer) propagation: no MGRIT cycles, nothing to converge."""
     return {kind: {"residuals": [], "iterations": 0, "converged": True}
@@ -731,15 +1022,22 @@ def _in_place():
     return MPI.IN_PLACE
 
 
-def _allreduce_staged(comm, buf):
-    """Sum ``buf`` over ``comm`` in place; device arrays go through a host copy (used for
-    checkpoints and epoch-end synchronisation only, never inside a training step)."""
+def _allreduce_staged(comm, buf, polled=False):
+    """Sum ``buf`` over ``comm`` in place; device arrays go through a host copy (checkpoints,
+    epoch-end synchronisation, the redundant coarsest level's few layers). ``polled``: a
+    nonblocking Iallreduce completed by polling (:func:`mgnn.comm.wait_request`: ranks sharing
+    cores are not starved by a spinning blocking collective)."""
+    def reduce(a):
+        if polled:
+            wait_request(comm.Iallreduce(_in_place(), a))
+        else:
+            comm.Allreduce(_in_place(), a)
     if not is_device_array(buf):
-        comm.Allreduce(_in_place(), buf)
+        reduce(buf)
         return
     import cupy
     host = cupy.asnumpy(buf)
-    comm.Allreduce(_in_place(), host)
+    reduce(host)
     buf[...] = cupy.asarray(host)
 
 

@@ -35,14 +35,20 @@ class PipelineParallel(LayerParallel):
         super().__init__(model, comm=comm, backend=backend, data_ranks=data_ranks)
         self.micro_batches = micro_batches
 
-    def loss_and_grad(self, x, y):
-        """As :meth:`LayerParallel.loss_and_grad` (exact; ``stats['timings']`` filled)."""
+    def loss_and_grad(self, x, y, out=None):
+        """As :meth:`LayerParallel.loss_and_grad` (exact; ``stats['timings']`` filled; the
+        gradient into ``out`` when given)."""
+        self._agree_out(out)
         x, y = self._validated(x, y)
         if x.shape[0] < self.micro_batches:
             raise ValueError(f"batch of {x.shape[0]} samples cannot be split into "
                              f"{self.micro_batches} micro-batches")
         with abort_on_error(self.layout.comm, "mgnn pipeline"):
-            return self._pipeline(x, y)
+            loss, grads = self._pipeline(x, y)
+        if out is None:
+            return loss, grads
+        out.flat[...] = grads.flat
+        return loss, out
 
     def _pipeline(self, x, y):
         t_start = time.perf_counter()

@@ -330,6 +330,7 @@ def fit(lp, optimizer, x_train, y_train, x_test, y_test, *, epochs, batch_size, 
         raise ValueError(f"batch_size={batch_size} is smaller than the {replicas} data replicas")
     if checkpoint:
         check_checkpoint_writable(checkpoint, lp)
+    grads = None  # one gradient buffer, filled by every step (loss_and_grad's out)
     for epoch in range(start_epoch, epochs):
         t0 = time.perf_counter()
         idx = [b for b in batches(len(y_train), batch_size, rng) if len(b) >= replicas]
@@ -343,7 +344,7 @@ def fit(lp, optimizer, x_train, y_train, x_test, y_test, *, epochs, batch_size, 
                 b = np.array_split(b, replicas)[lp.replica]
             b = lp.xp.asarray(b)
             try:
-                loss, grads = lp.loss_and_grad(x_train[b], y_train[b])
+                loss, grads = lp.loss_and_grad(x_train[b], y_train[b], out=grads)
             except DivergenceError as exc:
                 raise DivergenceError(f"{exc} at epoch {epoch + 1}, batch {j + 1} of {len(idx)}") from exc
             if timings is not None:

@@ -18,7 +18,7 @@ Sections (each check guarded: an exception becomes a FAIL row and the rest still
 3. bench  a. fused dense step forward (RawKernel) vs matmul + a separate elementwise epilogue;
           b. Numba CUDA memory-bound kernels (axpy, sq_norm, residual, correct) as effective
              bandwidth vs a device-to-device copy;
-          c. one training step: MGRIT with interval-batched relaxation vs layer-by-layer serial
+          c. one training step: MGRIT with stacked level states vs layer-by-layer serial
              forward + backward on the same device, and RawKernel launches per step;
           d. (section 4 in the table) ``python -m mgnn train --backend cuda`` on one GPU and under
              ``mpiexec -n 2 ... --layer-ranks 2``.
@@ -660,7 +660,7 @@ def _device_inputs(lp, x, y, st):
 
 
 def bench_train(rep, st, target):
-    """3c: one training step (loss_and_grad) by MGRIT with interval-batched relaxation against
+    """3c: one training step (loss_and_grad) by MGRIT with stacked level states against
     layer-by-layer serial forward + backward, same model, same device."""
     import numpy as np
     import mgnn
@@ -679,10 +679,6 @@ def bench_train(rep, st, target):
            "serial": mgnn.LayerParallel(model, backend=st.backend)}
     bk = lps["mgrit"].bk
     launcher = getattr(bk, "launcher", None)
-    try:  # private, informational only
-        batched = getattr(lps["mgrit"]._solver("forward", fwd), "batched", None)
-    except Exception:  # noqa: BLE001
-        batched = None
     calls, notes, launches, losses = {}, {}, {}, {}
     for k, lp in lps.items():
         log(f"{tag}: first {k} step (compiles kernels)")
@@ -696,11 +692,16 @@ def bench_train(rep, st, target):
             launches[k] = launcher.launches - before
     host = {}
     t = median_times(calls, st.sync, st.repeats, st.warmup, st.min_time, host=host)
+    try:  # private, informational only: which storage the MGRIT solves used
+        engine = lps["mgrit"]._solver("forward", fwd).engine
+        batched = "stacked states" if engine.stacked else f"list, batched {engine.batched}"
+    except Exception:  # noqa: BLE001
+        batched = None
     res = lps["mgrit"].stats.get("forward", {}).get("residuals", [])
     from mgnn.mgrit import level_sizes
     sizes = level_sizes(N, cf, fwd.max_levels, fwd.min_coarse)
     for k, label in (("mgrit", f"MGRIT cf={cf} levels {sizes}, 2 fwd / 1 adj cycles"
-                      f" (batched relaxation: {batched})"),
+                      f" (relaxation: {batched})"),
                      ("serial", "serial layer by layer")):
         extra = f", {launches[k]} RawKernel launches" if k in launches else ""
         if notes[k] != f"{st.array_kind} inputs":

@@ -78,13 +78,13 @@ def test_unknown_flag_shows_the_train_usage(capsys):
 
 def test_layer_ranks_message_uses_layers_and_ranks():
     args = parse_args(_cli("--layers", "8", "--levels", "2", "--cf", "4"))
-    _check_layer_ranks(args, 3)  # C-points at layers 0, 4, 8: three ranks fit
-    with pytest.raises(ValueError, match=r"^4 layer ranks but --layers 8 with --cf 4 allow at "
-                                         r"most 3 "):
-        _check_layer_ranks(args, 4)
+    _check_layer_ranks(args, 2)  # blocks start at layers 0 and 4: two ranks hold layers
+    with pytest.raises(ValueError, match=r"^3 layer ranks but --layers 8 with --cf 4 allow at "
+                                         r"most 2 "):
+        _check_layer_ranks(args, 3)
     args = parse_args(_cli("--layers", "4"))
-    with pytest.raises(ValueError, match=r"^6 layer ranks but --layers 4 allow at most 5 "):
-        _check_layer_ranks(args, 6)
+    with pytest.raises(ValueError, match=r"^5 layer ranks but --layers 4 allow at most 4 "):
+        _check_layer_ranks(args, 5)
 
 
 def test_data_limits_and_classes_are_checked():
@@ -112,7 +112,7 @@ def test_divergence_names_epoch_and_batch(monkeypatch):
     lp = LayerParallel(m, backend="numpy")
     calls = []
 
-    def diverge(x, y):
+    def diverge(x, y, out=None):
         calls.append(1)
         if len(calls) == 3:
             raise DivergenceError("MGRIT diverged: residual nan in cycle 0")

@@ -59,6 +59,44 @@ class _StepKind:
         l = layers[p] (distinct), in one batched kernel call."""
         getattr(bk, self._vjp_params_batched)(lams, derivs, us, layers, h, gW, gb)
 
+    # stacked states (one array per MGRIT level; see mgnn.backend.STACKED_KERNELS): the step
+    # into slot i uses layer layer0 + i * layer_step
+    def chains_forward(self, W, b, U, G, chains, layer0, layer_step, h, bk):
+        """In place: U[i] = U[i-1] + h F(U[i-1]; layer of i) (+ G[i]) along each chain
+        (rows (first slot, length) of the int64 array ``chains``)."""
+        getattr(bk, self._prefix + "_chains_forward")(U, G, W, b, chains, layer0, layer_step, h,
+                                                      self.act)
+
+    def points_forward(self, W, b, U, G, R, slots, out_slots, layer0, layer_step, h, mode, bk):
+        """The step into each of U's ``slots``, combined into R's ``out_slots`` by ``mode``
+        (0 residual, returns the squared norm; 1 FAS; 2 plain)."""
+        return getattr(bk, self._prefix + "_points_forward")(U, G, R, W, b, slots, out_slots,
+                                                             layer0, layer_step, h, self.act, mode)
+
+    def chains_adjoint(self, W, D, d0, L, G, chains, layer0, layer_step, h, bk):
+        """:meth:`chains_forward` of the state vjp L[i] = L[i-1] + h J_l^T L[i-1], sigma' of
+        layer l in D[l - d0]."""
+        getattr(bk, self._prefix + "_chains_adjoint")(L, G, W, D, d0, chains, layer0, layer_step,
+                                                      h)
+
+    def points_adjoint(self, W, D, d0, L, G, R, slots, out_slots, layer0, layer_step, h, mode,
+                       bk):
+        """:meth:`points_forward` of the state vjp."""
+        return getattr(bk, self._prefix + "_points_adjoint")(L, G, R, W, D, d0, slots, out_slots,
+                                                             layer0, layer_step, h, mode)
+
+    def deriv_stacked(self, W, b, U, first, count, layer0, D, bk):
+        """In place: D[p] = sigma'(z) of layer layer0 + p at state U[first + p], p < count
+        (see mgnn.backend.STACKED_GRAD_KERNELS)."""
+        getattr(bk, self._prefix + "_deriv_stacked")(U, first, count, W, b, layer0, self.act, D)
+
+    def vjp_params_stacked(self, L, l_first, l_stride, D, U, u_first, count, layer0, h, gW, gb,
+                           bk):
+        """In place: gW[l], gb[l] = :meth:`vjp_params` of (U[u_first + p], h,
+        L[l_first + p l_stride], D[p]) for l = layer0 + p, p < count."""
+        getattr(bk, self._prefix + "_vjp_params_stacked")(L, l_first, l_stride, D, U, u_first,
+                                                          count, layer0, h, gW, gb)
+
     def vjp(self, W, b, u, h, lam, bk, deriv=None):
         """(state vjp, gW, gb) of one step at u for the cotangent lam of u_next."""
         if deriv is None:
@@ -90,6 +128,7 @@ class _StepKind:
 class DenseStep(_StepKind):
     """F(u) = sigma(u W^T + b); u (B, w), W (w, w), b (w,)."""
 
+    _prefix = "dense"
     _fwd, _fwd_deriv, _deriv = "dense_forward", "dense_forward_deriv", "dense_deriv"
     _vjp, _vjp_input, _vjp_params = "dense_vjp", "dense_vjp_input", "dense_vjp_params"
     _fwd_batched, _vjp_input_batched = "dense_forward_batched", "dense_vjp_input_batched"
@@ -117,6 +156,7 @@ class DenseStep(_StepKind):
 class ConvStep(_StepKind):
     """F(u) = sigma(conv3x3(u, K) + b); u (B, C, H, W), K (C, C, 3, 3), b (C,)."""
 
+    _prefix = "conv"
     _fwd, _fwd_deriv, _deriv = "conv_forward", "conv_forward_deriv", "conv_deriv"
     _vjp, _vjp_input, _vjp_params = "conv_vjp", "conv_vjp_input", "conv_vjp_params"
     _fwd_batched, _vjp_input_batched = "conv_forward_batched", "conv_vjp_input_batched"

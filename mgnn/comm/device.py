@@ -213,6 +213,23 @@ class DeviceHalo:
     size = property(lambda self: self.halo.size)
     comm = property(lambda self: self.halo.comm)
 
+    def allgather_rows(self, send, recv, counts, displs):
+        """:meth:`Halo.allgather_rows` of device arrays (through host copies unless CUDA-aware)."""
+        if not self._is_device(send) or self.cuda_aware:
+            if self._is_device(send):
+                self._sync()
+            return self.halo.allgather_rows(send, recv, counts, displs)
+        t0 = time.perf_counter()
+        host_send, host_recv = self.xp.asnumpy(send), np.empty(recv.shape, recv.dtype)
+        self.timers["staging"] += time.perf_counter() - t0
+        self.halo.allgather_rows(host_send, host_recv, counts, displs)
+        t0 = time.perf_counter()
+        recv.set(host_recv)
+        self.timers["staging"] += time.perf_counter() - t0
+
+    def allgather_objects(self, items):
+        return self.halo.allgather_objects(items)
+
     def allreduce_sum(self, value):
         """Sum of a float over the ranks of the wrapped halo's reduction communicator."""
         return self.halo.allreduce_sum(value)

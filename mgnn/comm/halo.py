@@ -53,15 +53,25 @@ class SerialHalo:
         """This rank's index in the reduction communicator (0 when there is none)."""
         return 0 if self.reduce_comm is None else self.reduce_comm.Get_rank()
 
+    def allgather_rows(self, send, recv, counts, displs):
+        """Every rank's ``send`` rows into ``recv`` at its row offset (``counts``, ``displs``:
+        rows per rank, in rank order): here, the one rank's rows."""
+        recv[displs[0]:displs[0] + counts[0]] = send
+
+    def allgather_objects(self, items):
+        """[items of rank 0, items of rank 1, ...] (pickled; for arrays of any kind)."""
+        return [items]
+
     def allreduce_sum(self, value):
         """Sum of a float over the ranks of the reduction communicator."""
         if self.reduce_comm is None:
             return value
         from mpi4py import MPI
         t0 = time.perf_counter()
-        out = self.reduce_comm.allreduce(float(value), op=MPI.SUM)
+        buf = np.array([float(value)])
+        wait_request(self.reduce_comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM))  # polled
         self.timers["allreduce"] += time.perf_counter() - t0
-        return out
+        return float(buf[0])
 
 
 class Halo(SerialHalo):
@@ -99,6 +109,24 @@ class Halo(SerialHalo):
             buf = self._buffers[key] = np.empty(template.shape, dtype=template.dtype)
         req = self.comm.Irecv([buf, self._mpi_type(buf.dtype)], source=source, tag=tag_)
         return req, buf, time.perf_counter()
+
+    def allgather_rows(self, send, recv, counts, displs):
+        """Allgatherv of C-contiguous host arrays of rows (timed as exposed halo time)."""
+        t0 = time.perf_counter()
+        row = int(np.prod(send.shape[1:], dtype=np.int64))
+        mpi_type = self._mpi_type(send.dtype)
+        # nonblocking and polled (wait_request): a blocking collective spins on its core, which
+        # starves ranks that share cores and still have work before they reach it
+        wait_request(self.comm.Iallgatherv(
+            [send, mpi_type], [recv, ([c * row for c in counts], [d * row for d in displs]),
+                               mpi_type]))
+        self.timers["halo_wait"] += time.perf_counter() - t0
+
+    def allgather_objects(self, items):
+        t0 = time.perf_counter()
+        out = self.comm.allgather(items)
+        self.timers["halo_wait"] += time.perf_counter() - t0
+        return out
 
     def wait(self, pending):
         """Wait for a pending (request, buffer[, post time]); returns the buffer.

@@ -22,6 +22,46 @@ def intervals(n, cf):
         yield c, min(c + cf, n + 1)
 
 
+def step_weights(sizes, cf, nrelax, skip=False, cycle="V"):
+    """Who steps how often in one cycle: :func:`cycle_work` broken down by step.
+
+    Parameters are those of :func:`cycle_work` (the cycle starts on level 0).
+
+    Returns
+    -------
+    every : list of int
+        Per level l: evaluations of each level-l step out of point j, 0 <= j < n_l, for the
+        distributed work (relaxation sweeps, the restriction's F-sweep and C-point residuals on
+        l; the FAS right-hand side of l computed on the coarser level l).
+    into_f : list of int
+        Per level l: extra evaluations of each step into a level-l F-point ((j + 1) % cf != 0):
+        the F-relaxation of a coarse level before its correction is injected.
+    solves : int
+        Coarsest solves per cycle (each steps once out of every point j < n_{L-1} of the
+        coarsest level).
+
+    ``sum_l every[l] n_l + into_f[l] (n_l - n_{l+1}) + solves n_{L-1}`` is :func:`cycle_work`.
+    """
+    L = len(sizes)
+    every, into_f, solves = [0] * L, [0] * L, [0]
+
+    def visit(lev, kind, skip):
+        if lev == L - 1:
+            solves[0] += 1
+            return
+        if not skip:
+            every[lev] += nrelax(lev) + 1
+            every[lev + 1] += 1
+        visit(lev + 1, kind, skip)
+        if lev + 1 < L - 1:
+            if kind == "F":
+                visit(lev + 1, "V", False)
+            into_f[lev + 1] += 1
+
+    visit(0, cycle, skip)
+    return every, into_f, solves[0]
+
+
 def cycle_work(sizes, cf, nrelax, skip=False, cycle="V", level=0):
     """Propagator steps of one cycle (the cost model of :class:`MGRITSolver`).
 
@@ -46,18 +86,13 @@ def cycle_work(sizes, cf, nrelax, skip=False, cycle="V", level=0):
         right-hand side (n_{l+1} coarse steps); the coarse cycle(s); the F-relaxation of level l+1
         before its correction is injected (unless l+1 is the coarsest); n_{L-1} steps for the
         coarsest solve. The final F-relaxation of a solve (n_0 - n_1) is not included.
+        Per step: :func:`step_weights`.
     """
-    L = len(sizes)
-    if level == L - 1:
-        return sizes[level]
-    n, nc = sizes[level], sizes[level + 1]
-    work = 0 if skip else nrelax(level) * n + (n - nc) + 2 * nc
-    work += cycle_work(sizes, cf, nrelax, skip, cycle, level + 1)
-    if level + 1 < L - 1:
-        if cycle == "F":
-            work += cycle_work(sizes, cf, nrelax, False, "V", level + 1)
-        work += nc - sizes[level + 2]
-    return work
+    sizes = list(sizes[level:])
+    every, into_f, solves = step_weights(sizes, cf, lambda lev: nrelax(lev + level), skip, cycle)
+    nxt = sizes[1:] + [sizes[-1]]
+    return (sum(e * n + f * (n - m) for e, f, n, m in zip(every, into_f, sizes, nxt))
+            + solves * sizes[-1])
 
 
 def cycle_critical_path(sizes, nrelax, ranks, skip=False):

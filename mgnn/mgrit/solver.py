@@ -21,13 +21,16 @@ import time
 import warnings
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ..backend import vector_ops
 from ..comm import abort_on_error, abort_on_uncaught, make_device_halo, make_halo
 from ..comm.halo import tag
 from ..errors import MGNNError
+from .engines import PLAIN, ListEngine, Plan, StackedEngine, describe, _family
 from .hierarchy import level_sizes
 from .options import MGRITOptions
-from .partition import Partition, block_starts
+from .partition import Partition, balanced_starts
 
 
 class DivergenceError(MGNNError, FloatingPointError):
@@ -51,6 +54,8 @@ class MGRITResult:
     final : array or None      -- state at fine index N (on the rank owning it; None elsewhere)
     states : list              -- length N+1: this rank's states at their fine indices (None
                                   elsewhere)
+    store : (array, int) or None -- with stacked states: the level-0 store and the point a of
+                                  its slot 1 (slot j - a + 1 holds point j; ``states`` are views)
     timings : dict             -- seconds in steps (with the private copies of a propagator
                                   without fresh_outputs), halo waits, allreduce, and in total
     """
@@ -61,6 +66,7 @@ class MGRITResult:
     tol: float = 0.0
     final: object = None
     states: list = None
+    store: tuple = None
     timings: dict = field(default_factory=dict)
 
 
@@ -93,18 +99,6 @@ class _PointByPoint:
         return getattr(self._ops, name)
 
 
-def _family(x):
-    """The array library of ``x`` ('numpy', 'cupy', ...): the top package of its type."""
-    return type(x).__module__.partition(".")[0]
-
-
-def _describe(v):
-    if v is None:
-        return "None"
-    return (f"{_family(v)} {type(v).__name__} of shape {getattr(v, 'shape', None)} and dtype "
-            f"{getattr(v, 'dtype', None)}")
-
-
 class _Done:
     """A completed request (no-overlap mode waits at once)."""
 
@@ -113,14 +107,27 @@ class _Done:
 
 
 class _Level:
-    """This rank's share of one level: points [a, b) of 0..n (point j is fine index j * s)."""
+    """This rank's share of one level: points [a, b) of 0..n (point j is fine index j * s); its
+    stores have m + 2 slots (point j in slot j - a + 1; slot 0 the left halo, slot m + 1 point b)."""
 
     def __init__(self, index, n, s, partition, rank):
         self.index, self.n, self.s = index, n, s
         self.a, self.b = partition.level_range(rank, s, n)
         nonempty = self.a < self.b
+        self.m = self.b - self.a if nonempty else 0
         self.left = partition.owner((self.a - 1) * s) if nonempty and self.a >= 1 else None
         self.right = partition.owner(self.b * s) if nonempty and self.b <= n else None
+
+
+def _chains(points):
+    """Runs of consecutive ints in ascending ``points`` as [first, length] pairs."""
+    out = []
+    for j in points:
+        if out and out[-1][0] + out[-1][1] == j:
+            out[-1][1] += 1
+        else:
+            out.append([j, 1])
+    return out
 
 
 class MGRITSolver:
@@ -178,7 +185,8 @@ class MGRITSolver:
         with the caller's) and calls :meth:`solve`; a solver can solve many times.
     partition : Partition or None
         Which rank holds which fine indices; default: blocks over the ranks of ``comm`` in rank
-        order, each starting on a level-0 C-point.
+        order, each starting on a level-0 C-point and holding at least one step, balanced by
+        the steps of an MGRIT cycle (:func:`mgnn.mgrit.partition.balanced_starts`).
     norm_comm : communicator or None
         Residual norms are summed over this communicator (default ``comm``); a data-parallel run
         passes the whole grid so that every replica sees the norm of the global batch.
@@ -199,7 +207,8 @@ class MGRITSolver:
     """
 
     def __init__(self, propagator, n_steps, options=None, comm=None, partition=None,
-                 abort_on_error=True, norm_comm=None, overlap=True, ops=None, xp=None):
+                 abort_on_error=True, norm_comm=None, overlap=True, ops=None, xp=None,
+                 reuse_states=False, coarsest="auto"):
         if not callable(getattr(propagator, "step", None)):
             raise TypeError(f"propagator {type(propagator).__name__} has no step(u, start, stop, "
                             "level) method")
@@ -211,18 +220,34 @@ class MGRITSolver:
         n_steps = self.sizes[0]
         self.prop, self.n_steps = propagator, n_steps
         self.pull = bool(getattr(propagator, "pull", False))
-        self.fresh = bool(getattr(propagator, "fresh_outputs", False))
-        self.batched = bool(getattr(propagator, "batched", False)) and \
-            callable(getattr(propagator, "step_batch", None))
-        self.fused_rhs = self.batched and bool(getattr(propagator, "fused_rhs", False))
+        self._stacked = bool(getattr(propagator, "stacked", False)) and all(
+            callable(getattr(propagator, m, None)) for m in ("advance", "points"))
+        self.xp, self.reuse_states = xp, bool(reuse_states)
+        self._engines, self._plans, self._states_key = {}, {}, None
+        self.engine = None
+        if coarsest not in ("auto", "redundant", "sequential"):
+            raise ValueError(f"coarsest must be 'auto', 'redundant' or 'sequential', got "
+                             f"{coarsest!r}")
+        replicable = callable(getattr(propagator, "coarse_replica", None))
+        if coarsest == "redundant" and not replicable:
+            raise ValueError(f"coarsest='redundant' needs {type(propagator).__name__}."
+                             "coarse_replica(level) (a propagator that steps every point of the "
+                             "level on every rank)")
+        self._gather_counts = {}
+        self.redundant_solves = 0  # coarsest levels solved redundantly so far (diagnostics)
         if comm is not None and comm.Get_size() > 1:
             abort_on_uncaught(comm)  # an uncaught Ctrl-C between solves still ends every rank
             comm = comm.Dup()  # private context: MGRIT messages never meet the user's own
         self.comm = comm
         self.halo = (make_halo(comm, norm_comm) if xp is None else
                      make_device_halo(comm, norm_comm, xp=xp))
-        if partition is None:
-            starts = block_starts(n_steps + 1, self.halo.size, align=o.cf)
+        # the redundant coarsest level replaces a chain across ranks: pointless on one rank
+        self._redundant = (coarsest != "sequential" and replicable and self.halo.size > 1
+                           and len(self.sizes) > 1)
+        self.coarsest = "redundant" if self._redundant else "sequential"
+        if partition is None:  # balanced by the cost model of these options
+            starts = balanced_starts(n_steps, self.halo.size, o.cf, self.sizes, o.nrelax_on,
+                                     cycle=o.cycle, coarsest=self.coarsest)
             partition = Partition(n_steps, tuple(starts), tuple(range(self.halo.size)))
         if partition.n_steps != n_steps or sorted(partition.ranks) != list(range(self.halo.size)):
             raise ValueError(f"partition {partition} does not fit n_steps={n_steps} on "
@@ -239,173 +264,112 @@ class MGRITSolver:
         self._step_seconds = 0.0
 
     # ---------------------------------------------------------------------------- primitives
-    def _phi(self, u, j, lev):
-        """Step out of level point j (fine index j s) to point j+1 (checked; ``u`` untouched)."""
-        s = self.levels[lev].s
-        t0 = time.perf_counter()
-        out = self.prop.step(u if self.fresh else u.copy(), j * s, (j + 1) * s, lev)
-        self._step_seconds += time.perf_counter() - t0
-        t = self._template  # the common case inline: a step costs ~1 us in Python already
-        if type(out) is not type(t) or out.shape != t.shape or out.dtype != t.dtype or out is u:
-            self._checked(out, u, j * s, (j + 1) * s, lev, "step")
-        return out
-
-    def _phi_batch(self, states, js, lev, rhs=None):
-        """[Phi(states[k]) (+ rhs[k]) out of level point js[k]] in one propagator call (or a
-        loop); ``rhs`` only with a ``fused_rhs`` propagator."""
-        if not js:
-            return []
-        if not self.batched or (len(js) == 1 and rhs is None):
-            return [self._phi(u, j, lev) for u, j in zip(states, js)]
-        s = self.levels[lev].s
-        starts, stops = [j * s for j in js], [(j + 1) * s for j in js]
-        t0 = time.perf_counter()
-        args = (states if self.fresh else [u.copy() for u in states], starts, stops, lev)
-        out = self.prop.step_batch(*args) if rhs is None else self.prop.step_batch(*args, rhs)
-        self._step_seconds += time.perf_counter() - t0
-        if out is None or len(out) != len(js):
-            raise TypeError(f"{type(self.prop).__name__}.step_batch(us, starts, stops, "
-                            f"level={lev}) returned {_describe(out)} for {len(js)} states: it "
-                            "must return a list of one state per u")
-        t = self._template
-        kind, shape, dtype = type(t), t.shape, t.dtype
-        for v, u, a, b in zip(out, states, starts, stops):  # inline as in _phi: per state
-            if type(v) is not kind or v.shape != shape or v.dtype != dtype or v is u:
-                self._checked(v, u, a, b, lev, "step_batch")
-        return list(out)
-
-    def _checked(self, out, u, start, stop, lev, method):
-        """``out``, what ``method`` returned for the solver's state ``u``; TypeError unless it is
-        an array of u0's kind, shape and dtype (MPI would silently truncate or half-fill a wrong
-        one, serial arithmetic would cast) that the solver may keep."""
-        self._check_state(out, lambda: f"{type(self.prop).__name__}.{method}(u, {start}, {stop}, "
-                                        f"level={lev}) returned")
-        if out is u:
-            if self.fresh:
-                raise TypeError(
-                    f"{type(self.prop).__name__}.{method}(u, {start}, {stop}, level={lev}) "
-                    "returned the u it was given, but the propagator declares fresh_outputs = "
-                    "True (a new array every step, u untouched): return a new array, or drop "
-                    "fresh_outputs (the solver then hands step a private copy of u)")
-            raise TypeError(
-                f"{type(self.prop).__name__}.{method}(u, {start}, {stop}, level={lev}) returned "
-                f"the array the solver holds as the state at fine index {start} (an output "
-                "buffer reused across calls?): return a new array, or the u it was given")
-        return out
-
     def _check_state(self, v, what):
         """TypeError unless ``v`` is an array of u0's library, shape and dtype; ``what()`` names
         where it came from (built only for the message)."""
         t = self._template
         if ((type(v) is not type(t) and _family(v) != _family(t))
                 or getattr(v, "shape", None) != t.shape or getattr(v, "dtype", None) != t.dtype):
-            raise TypeError(f"{what()} {_describe(v)}, but u0 is {_describe(t)}: every state "
+            raise TypeError(f"{what()} {describe(v)}, but u0 is {describe(t)}: every state "
                             "must match u0 (no silent casts)")
 
-    def _boundary_value(self, U, lev):
-        """What the right neighbour receives: Phi(u_{b-1}) (push) or u_{b-1} (pull)."""
-        b = self.levels[lev].b
-        return U[b - 1] if self.pull else self._phi(U[b - 1], b - 1, lev)
-
-    def _from_left(self, msg, lev):
-        """Phi(u_{a-1}) from the left neighbour's message."""
-        a = self.levels[lev].a
-        return self._phi(msg, a - 1, lev) if self.pull else msg
+    def _plan(self, lev, name, target):
+        """The cached :class:`Plan` of sweep ``name`` on level ``lev`` (targets ``target(j)``)."""
+        key = (lev, name)
+        plan = self._plans.get(key)
+        if plan is not None:
+            return plan
+        plan = self._plans[key] = Plan()
+        L = self.levels[lev]
+        a, b, n = L.a, L.b, L.n
+        if a >= b or target is None:
+            return plan
+        plan.need_left = a >= 1 and target(a)
+        plan.send_right = b <= n and target(b)
+        if name in ("residual", "fas_rhs"):
+            plan.points = [j for j in range(max(a + 1, 1), b) if target(j)]
+            return plan
+        js = [j for j in range(max(a, 1), b) if target(j)]
+        chains = _chains(js)
+        if plan.need_left and chains and chains[0][0] == a:
+            plan.head = chains.pop(0)
+        if plan.send_right and chains and chains[-1][0] + chains[-1][1] == b:
+            plan.tail = chains.pop()
+        plan.chains = chains
+        # the boundary value can go before the interior work unless the head chain makes it
+        plan.early = plan.send_right and self.overlap and not (
+            plan.head is not None and plan.head[0] + plan.head[1] == b)
+        return plan
 
     def _update(self, lev, U, G, target, name):
         """u_j = Phi(u_{j-1}) + g_j for this rank's points j >= 1 with ``target(j)``, ascending.
 
-        Consecutive targets form chains; the chain that needs the left halo is computed last,
-        the chain that feeds the right neighbour first (then its value is sent), interior chains
-        in between, overlapping both messages.
+        Runs of consecutive targets are chains; the chain that needs the left halo is computed
+        last, the chain that feeds the right neighbour first (then its value is sent), interior
+        chains in between (one engine call for all), overlapping both messages.
         """
-        L, halo = self.levels[lev], self.halo
-        a, b, n = L.a, L.b, L.n
-        if a >= b:
+        plan = self._plan(lev, name, target)
+        L, halo, eng = self.levels[lev], self.halo, self.engine
+        if L.a >= L.b:
             return
         t = tag(name, lev)
-        js = [j for j in range(max(a, 1), b) if target(j)]
-        need_left = a >= 1 and target(a)
-        send_right = b <= n and target(b)
-        recv = halo.irecv(self._template, L.left, t) if need_left else None
+        recv = halo.irecv(self._template, L.left, t) if plan.need_left else None
         if recv is not None and not self.overlap:
             recv = (_Done(), halo.wait(recv), time.perf_counter())
-        n_head = 0  # js[:n_head] depend on the left halo: the chain a, a+1, ...
-        if need_left:
-            while n_head < len(js) and js[n_head] == a + n_head:
-                n_head += 1
-        n_tail = 0  # js[len - n_tail:] feed the right neighbour: the chain ..., b-2, b-1
-        if send_right and self.overlap:
-            while (n_tail < len(js) - n_head and js[-1 - n_tail] == b - 1 - n_tail):
-                n_tail += 1
-        prop_fresh, ops = self.fresh, self.ops
-
-        def run(points):
-            # waves: the k-th point of every chain of consecutive points, independent of each
-            # other (one batched call each); without batching, point after point
-            if self.batched:
-                chains, waves = [], []
-                for j in points:
-                    if chains and chains[-1][-1] == j - 1:
-                        chains[-1].append(j)
-                    else:
-                        chains.append([j])
-                for k in range(max((len(c) for c in chains), default=0)):
-                    waves.append([c[k] for c in chains if len(c) > k])
-            else:
-                waves = [[j] for j in points]
-            for wave in waves:
-                prev, starts = [U[j - 1] for j in wave], [j - 1 for j in wave]
-                rhs = None if G is None else [G[j] for j in wave]
-                if rhs is not None and self.fused_rhs:  # Phi(u) + g in one launch
-                    outs = self._phi_batch(prev, starts, lev, rhs)
-                else:
-                    outs = self._phi_batch(prev, starts, lev)
-                    if rhs is not None:
-                        # a propagator that promised new arrays gets the rhs added in place
-                        outs = ops.add_batch(outs, rhs, in_place=prop_fresh)
-                for j, v in zip(wave, outs):
-                    U[j] = v
-
         sends = []
-        if send_right and self.overlap and (n_tail or not js or js[-1] != b - 1):
-            run(js[len(js) - n_tail:])
-            sends.append(halo.isend(self._boundary_value(U, lev), L.right, t))
-        else:
-            n_tail = 0
-        run(js[n_head:len(js) - n_tail])
-        if need_left:
-            first = self._from_left(halo.wait(recv), lev)
-            # the receive buffer is reused by later messages: never keep it as a state
-            U[a] = (first if self.pull else first.copy()) if G is None else ops.add(first, G[a])
-            run(js[1:n_head])
-        if send_right and not sends:
-            sends.append(halo.isend(self._boundary_value(U, lev), L.right, t))
-        for s in sends:
-            halo.wait(s)
+        if plan.early:
+            if plan.tail is not None:
+                eng.advance(lev, U, G, [plan.tail], plan, ("tail",))
+            sends.append(halo.isend(eng.boundary(lev, U, self.pull, plan), L.right, t))
+        elif plan.tail is not None:
+            eng.advance(lev, U, G, [plan.tail], plan, ("tail",))
+        eng.advance(lev, U, G, plan.chains, plan, ("chains",))
+        if recv is not None:
+            msg = halo.wait(recv)
+            first, length = plan.head
+            if self.pull:  # the halo is the step's input: the left ghost slot, then the chain
+                eng.set(U, 0, msg, copy=False)
+                eng.advance(lev, U, G, [plan.head], plan, ("head",))
+                eng.clear_ghost(U)
+            else:  # the halo is Phi(u_{a-1}): u_a = msg + g_a, then the rest of the chain
+                eng.combine_message(lev, U, G, U, msg, PLAIN, 1)
+                if length > 1:
+                    eng.advance(lev, U, G, [[first + 1, length - 1]], plan, ("head",))
+        if plan.send_right and not sends:
+            sends.append(halo.isend(eng.boundary(lev, U, self.pull, plan), L.right, t))
+        for req in sends:
+            halo.wait(req)
 
-    def _phis(self, lev, U, target, name):
-        """{j: Phi(u_{j-1})} for this rank's points j >= 1 with ``target(j)`` (no update)."""
-        L, halo = self.levels[lev], self.halo
-        a, b, n = L.a, L.b, L.n
-        out = {}
-        if a >= b:
-            return out
+    def _apply(self, lev, U, G, R, target, name, mode, out_slot):
+        """Mode ``mode`` (:mod:`.engines`) at this rank's points j >= 1 with ``target(j)``, the
+        result of point j into R's slot ``out_slot(j)``; returns this rank's squared norm (mode
+        0). The step into point a needs the left halo."""
+        plan = self._plan(lev, name, target)
+        L, halo, eng = self.levels[lev], self.halo, self.engine
+        if L.a >= L.b:
+            return 0.0
         t = tag(name, lev)
-        recv = halo.irecv(self._template, L.left, t) if a >= 1 and target(a) else None
+        recv = halo.irecv(self._template, L.left, t) if plan.need_left else None
         if recv is not None and not self.overlap:
             recv = (_Done(), halo.wait(recv), time.perf_counter())
-        send = (halo.isend(self._boundary_value(U, lev), L.right, t)
-                if b <= n and target(b) and self.overlap else None)
-        js = [j for j in range(max(a + 1, 1), b) if target(j)]
-        out.update(zip(js, self._phi_batch([U[j - 1] for j in js], [j - 1 for j in js], lev)))
+        send = (halo.isend(eng.boundary(lev, U, self.pull, plan), L.right, t)
+                if plan.send_right and self.overlap else None)
+        if plan.outs is None:
+            plan.outs = [out_slot(j) for j in plan.points]
+        r2 = eng.points(lev, U, G, R, plan.points, plan.outs, mode, plan, ("points",))
         if recv is not None:
-            out[a] = self._from_left(halo.wait(recv), lev)
-        if b <= n and target(b) and not self.overlap:
-            send = halo.isend(self._boundary_value(U, lev), L.right, t)
+            msg = halo.wait(recv)
+            if self.pull:
+                eng.set(U, 0, msg, copy=False)
+                r2 = r2 + eng.points(lev, U, G, R, [L.a], [out_slot(L.a)], mode, plan, ("head",))
+                eng.clear_ghost(U)
+            else:
+                r2 = r2 + eng.combine_message(lev, U, G, R, msg, mode, out_slot(L.a))
+        if plan.send_right and not self.overlap:
+            send = halo.isend(eng.boundary(lev, U, self.pull, plan), L.right, t)
         if send is not None:
             halo.wait(send)
-        return out
+        return r2
 
     def _f_relax(self, U, G, lev, name="f_relax"):
         cf = self.options.cf
@@ -415,38 +379,52 @@ class MGRITSolver:
         cf = self.options.cf
         self._update(lev, U, G, lambda j: j % cf == 0, "c_relax")
 
+    def _coarsest(self, lev, U, G):
+        """The coarsest level exactly: a chain across the ranks (sequential), or (redundant) every
+        rank gathers u_0 and the right-hand sides of the level and steps all of it with the
+        propagator's ``coarse_replica(level)``, keeping its own points."""
+        replica = self.prop.coarse_replica(lev) if self._redundant else None
+        if replica is None:
+            self._update(lev, U, G, lambda j: True, "coarsest")
+            return
+        L, eng = self.levels[lev], self.engine
+        counts = self._gather_counts.get(lev)
+        if counts is None:
+            ranges = [self.partition.level_range(r, L.s, L.n) for r in range(self.halo.size)]
+            counts = self._gather_counts[lev] = ([b - a for a, b in ranges], [a for a, _ in ranges])
+        self.redundant_solves += 1
+        FU, FG = eng.gather_level(lev, U, G, *counts, L.n)
+        eng.replica_advance(replica, lev, FU, FG, L.n, self._plan(lev, "redundant", None))
+        eng.scatter_back(lev, FU, U)
+
+    def _coarse_range(self, lev):
+        """(first fine slot, first coarse slot, count) of the coarse points i >= i_min of level
+        lev + 1 held here, as fine slots of level lev (every cf-th) and coarse slots."""
+        F, C, cf = self.levels[lev], self.levels[lev + 1], self.options.cf
+        return (lambda i0: (cf * i0 - F.a + 1, i0 - C.a + 1, max(C.b - i0, 0)))
+
     def _restrict(self, U, G, lev, fas=True):
         """F-relax ``lev``, its C-point residuals, injection and the FAS rhs of level+1.
 
-        Returns (V, G_coarse, r2): V the injected states (this rank's coarse points), r2 this
-        rank's share of the squared residual norm. ``fas=False`` (the skipped down-cycle) injects
-        only: the coarse problem is the plain coarse rediscretisation (a cascadic initial guess).
+        Returns (V, Gc, Uc, r2): V the injected states (this rank's coarse points), Gc the FAS
+        right-hand sides, Uc the coarse iterate (a copy of V), r2 this rank's share of the squared
+        residual norm. ``fas=False`` (the skipped down-cycle) injects only: the coarse problem is
+        the plain coarse rediscretisation (a cascadic initial guess).
         """
-        cf = self.options.cf
+        cf, eng = self.options.cf, self.engine
         C = self.levels[lev + 1]
-        V = [None] * (C.n + 1)
-        for i in range(C.a, C.b):
-            V[i] = U[cf * i]
-        if not fas:
-            return V, None, 0.0
-        self._f_relax(U, G, lev)
-        phis = self._phis(lev, U, lambda j: j % cf == 0, "residual")
-        Gc = [None] * (C.n + 1)
-        ops = self.ops
-        t0 = time.perf_counter()
-        cs = list(phis)
-        # the r are new arrays: the in-place update below touches nothing else
-        rs, r2 = ops.residual_batch([phis[c] for c in cs], [U[c] for c in cs],
-                                    None if G is None else [G[c] for c in cs])
-        for c, r in zip(cs, rs):
-            Gc[c // cf] = r
-        self._vector_seconds += time.perf_counter() - t0
-        coarse_phis = self._phis(lev + 1, V, lambda i: True, "fas_rhs")
-        t0 = time.perf_counter()
-        ii = list(coarse_phis)
-        ops.fas_rhs_batch([Gc[i] for i in ii], [V[i] for i in ii], [coarse_phis[i] for i in ii])
-        self._vector_seconds += time.perf_counter() - t0
-        return V, Gc, r2
+        V, Gc, Uc = eng.coarse_stores(lev + 1, self._template)
+        f0, c0, k = self._coarse_range(lev)(C.a)
+        eng.inject(U, V, f0, cf, c0, k)
+        r2 = 0.0
+        if fas:
+            self._f_relax(U, G, lev)
+            r2 = self._apply(lev, U, G, Gc, lambda j: j % cf == 0, "residual", 0,
+                             lambda j: j // cf - C.a + 1)
+            self._apply(lev + 1, V, None, Gc, lambda i: True, "fas_rhs", 1,
+                        lambda i: i - C.a + 1)
+        eng.copy_store(V, Uc)
+        return V, (Gc if fas else None), Uc, r2
 
     def _cycle(self, lev, U, G, kind, skip):
         """One FAS cycle of the problem (U, G) on level ``lev``; U is updated in place.
@@ -460,27 +438,21 @@ class MGRITSolver:
         o = self.options
         coarsest = len(self.sizes) - 1
         if lev == coarsest:
-            self._update(lev, U, G, lambda j: True, "coarsest")
+            self._coarsest(lev, U, G)
             return None
         if not skip:
             for _ in range(o.nrelax_on(lev)):
                 self._f_relax(U, G, lev)
                 self._c_relax(U, G, lev)
-        V, Gc, r2 = self._restrict(U, G, lev, fas=not skip)
-        Uc = list(V)
+        V, Gc, Uc, r2 = self._restrict(U, G, lev, fas=not skip)
         self._cycle(lev + 1, Uc, Gc, kind, skip)
         if lev + 1 < coarsest:
             if kind == "F":
                 self._cycle(lev + 1, Uc, Gc, "V", False)
             self._f_relax(Uc, Gc, lev + 1)
         C = self.levels[lev + 1]
-        t0 = time.perf_counter()
-        ii = range(max(C.a, 1), C.b)
-        outs = self.ops.correct_batch([U[o.cf * i] for i in ii], [Uc[i] for i in ii],
-                                      [V[i] for i in ii])
-        for i, u in zip(ii, outs):
-            U[o.cf * i] = u
-        self._vector_seconds += time.perf_counter() - t0
+        f0, c0, k = self._coarse_range(lev)(max(C.a, 1))
+        self.engine.correct(U, Uc, V, f0, o.cf, c0, k)
         return r2
 
     # ----------------------------------------------------------------------------------- solve
@@ -518,6 +490,27 @@ class MGRITSolver:
                             collective=(DivergenceError,)):
             return self._solve(u0, initial_guess, o)
 
+    def _engine_for(self, u0):
+        """The stacked engine for a ``stacked`` propagator and states of its array module, else
+        the list engine (built once each)."""
+        xp = self.xp if self.xp is not None else np
+        stacked = self._stacked and isinstance(u0, xp.ndarray)
+        key = "stacked" if stacked else "list"
+        if key not in self._engines:
+            self._engines[key] = StackedEngine(self, xp) if stacked else ListEngine(self)
+        self.engine = self._engines[key]
+        return self.engine
+
+    def _level0_store(self, eng, L0, u0):
+        """The level-0 store: new for every solve (earlier results stay valid) unless
+        ``reuse_states``."""
+        if not eng.stacked or not self.reuse_states:
+            return eng.store(L0, u0)
+        key = (u0.shape, u0.dtype.str)
+        if self._states_key != key:
+            self._states, self._states_key = eng.store(L0, u0), key
+        return self._states
+
     def _solve(self, u0, initial_guess, o):
         t_start = time.perf_counter()
         self._step_seconds = self._vector_seconds = 0.0
@@ -528,16 +521,20 @@ class MGRITSolver:
         if not hasattr(u0, "shape") or not hasattr(u0, "dtype"):
             raise TypeError(f"u0 must be an array, got {type(u0).__name__}")
         self._template = u0
+        eng = self._engine_for(u0)
         L0 = self.levels[0]
-        U = [None] * (N + 1)
+        U = self._level0_store(eng, L0, u0)
         for c in range(-(-L0.a // o.cf) * o.cf, L0.b, o.cf):
             if c == 0:
-                U[0] = u0
+                eng.set(U, 1, u0, copy=False)
             elif initial_guess is not None:
-                U[c] = initial_guess(c)
-                self._check_state(U[c], lambda: f"initial_guess({c}) returned")
+                guess = initial_guess(c)
+                self._check_state(guess, lambda: f"initial_guess({c}) returned")
+                eng.set(U, c - L0.a + 1, guess, copy=False)
+            elif eng.stacked:
+                U[c - L0.a + 1] = 0
             else:
-                U[c] = u0 * 0
+                U[c - L0.a + 1] = u0 * 0
         result = MGRITResult(tol=float(o.tol))
         if len(self.sizes) == 1:
             self._update(0, U, None, lambda j: True, "coarsest")
@@ -563,8 +560,9 @@ class MGRITSolver:
                               "MGRITResult.residuals and .converged; raise max_iter, or set "
                               "MGRITOptions.warn_not_converged=False for a fixed budget)",
                               NotConvergedWarning, stacklevel=3)
-        result.final = U[N] if L0.a <= N < L0.b else None
-        result.states = U
+        result.states = eng.states_view(L0, U, N)
+        result.store = (U, L0.a) if eng.stacked and L0.m else None
+        result.final = result.states[N]
         total = time.perf_counter() - t_start
         result.timings = {"steps": self._step_seconds, "vector": self._vector_seconds,
                           "total": total, **self.halo.timers}

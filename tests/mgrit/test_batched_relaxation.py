@@ -65,8 +65,9 @@ def test_f_relaxation_sweep_costs_cf_minus_one_calls(cf, rng):
     n = 16 * cf
     prop = Batched(*_resnet(rng, n))
     solver = MGRITSolver(prop, n, MGRITOptions(cf=cf, max_levels=2))
-    U = [rng.standard_normal(3) for _ in range(n + 1)]
-    solver._template = U[0]
+    U = [None] + [rng.standard_normal(3) for _ in range(n + 1)] + [None]  # slot j + 1: point j
+    solver._template = U[1]
+    solver._engine_for(U[1])
     solver._f_relax(U, None, 0)
     assert prop.calls == [(0, n // cf)] * (cf - 1)  # cf - 1 waves of all 16 intervals
     prop.calls.clear()
@@ -81,27 +82,38 @@ def _models(kind, n):
 
 
 @pytest.mark.parametrize("kind", ["dense", "conv"])
-def test_network_batched_equals_unbatched(kind, rng, monkeypatch):
-    """LayerParallel on the numba backend with batching forced on gives the same inexact (2/1
-    cycles) loss and gradients as without: batching reorders independent steps only."""
+def test_network_batched_and_stacked_equal_unbatched(kind, rng, monkeypatch):
+    """LayerParallel on the numba backend: the list engine point by point, the list engine with
+    batching forced on (bit-identical: batching reorders independent steps only) and the stacked
+    engine (one array per level, one kernel call per sweep; equal to round-off) give the same
+    inexact (2/1 cycles) loss and gradients."""
+    from mgnn import network
     from mgnn.backend import numba_cpu
     m, xshape = _models(kind, 24)
     x, y = rng.standard_normal(xshape), rng.integers(0, 3, xshape[0])
     fwd = MGRITOptions(cf=2, max_levels=3, max_iter=2, tol=0.0)
     bwd = MGRITOptions(cf=2, max_levels=3, max_iter=1, tol=0.0)
+    stacked = mgnn.LayerParallel(m, fwd, bwd, backend="numba")
+    loss_s, g_s = stacked.loss_and_grad(x, y)
+    assert stacked._solver("forward", fwd).engine.stacked
+    monkeypatch.setattr(network, "_has_stacked", lambda bk: False)
     loss0, g0 = mgnn.LayerParallel(m, fwd, bwd, backend="numba").loss_and_grad(x, y)
     monkeypatch.setattr(numba_cpu, "batched_relaxation", True)
     lp = mgnn.LayerParallel(m, fwd, bwd, backend="numba")
-    assert lp._solver("forward", fwd).batched and lp._solver("adjoint", bwd).batched
     loss, g = lp.loss_and_grad(x, y)
+    for kind_, opts in (("forward", fwd), ("adjoint", bwd)):
+        engine = lp._solver(kind_, opts).engine
+        assert engine.batched and not engine.stacked
     assert loss == loss0
+    assert abs(loss_s - loss0) <= 1e-13 * abs(loss0)
     for k in g0:
         np.testing.assert_array_equal(g[k], g0[k], err_msg=k)
+        np.testing.assert_allclose(g_s[k], g0[k], rtol=1e-11, atol=1e-13, err_msg=k)
 
 
 @pytest.mark.parametrize("kind", ["dense", "conv"])
 def test_emulated_gpu_training_step_equals_numba(kind, rng):
-    """The whole MGRIT training step through the GPU kernels and their batched launches (host
+    """The whole MGRIT training step through the GPU kernels and their stacked launches (host
     emulation) equals the numba backend: float64 rtol 1e-10."""
     from mgnn.backend import get_backend
     m, xshape = _models(kind, 12)
@@ -117,7 +129,7 @@ def test_emulated_gpu_training_step_equals_numba(kind, rng):
         loss, g = mgnn.LayerParallel(m, fwd, bwd, backend="cuda-emulated").loss_and_grad(x, y)
     finally:
         bk.launcher.launch = launch
-    assert f"{kind}_forward_batched" in seen and f"{kind}_vjp_input_batched" in seen
+    assert f"{kind}_stacked_forward" in seen and f"{kind}_stacked_adjoint" in seen
     assert abs(loss - loss0) <= 1e-10 * abs(loss0)
     for k in g0:
         np.testing.assert_allclose(g[k], g0[k], rtol=1e-10, atol=1e-10 * np.abs(g0[k]).max(),

@@ -34,6 +34,17 @@ class PullTanh(Tanh):
     pull = True
 
 
+class ReplicaTanh(Tanh):
+    """Holds every layer: it can step any point of a coarse level on every rank."""
+
+    def coarse_replica(self, level):
+        return self
+
+
+class ReplicaPullTanh(ReplicaTanh):
+    pull = True
+
+
 def _close(a, b, rtol, what):
     a, b = np.asarray(a), np.asarray(b)
     if a.shape != b.shape:
@@ -64,8 +75,15 @@ def case_solver():
             continue  # hierarchy does not fit
         u0 = np.random.default_rng(n).standard_normal((2, 3))
         serial = MGRITSolver(Tanh(n), n, opts).solve(u0)
-        for prop, overlap in ((Tanh(n), True), (PullTanh(n), True), (Tanh(n), False)):
-            res = MGRITSolver(prop, n, opts, comm=COMM, overlap=overlap).solve(u0)
+        for prop, overlap in ((Tanh(n), True), (PullTanh(n), True), (Tanh(n), False),
+                              (ReplicaTanh(n), True), (ReplicaPullTanh(n), False)):
+            solver = MGRITSolver(prop, n, opts, comm=COMM, overlap=overlap)
+            redundant = isinstance(prop, ReplicaTanh) and SIZE > 1 and len(solver.sizes) > 1
+            if solver.coarsest != ("redundant" if redundant else "sequential"):
+                raise AssertionError(f"rank {RANK}: coarsest {solver.coarsest} for {prop}")
+            res = solver.solve(u0)
+            if redundant and solver.redundant_solves == 0:
+                raise AssertionError(f"rank {RANK}: no redundant coarsest solve for {opts}")
             if res.iterations != serial.iterations or len(res.residuals) != len(serial.residuals):
                 raise AssertionError(f"rank {RANK}: cycle counts differ for {opts}")
             _close(res.residuals, serial.residuals, 1e-12, f"residuals {opts}")
@@ -150,11 +168,14 @@ def case_network():
             ("layer-wise", None, None),
         ]
         exact_loss, exact = mgnn.LayerParallel(model, backend="numpy").loss_and_grad(x, y)
-        for name, fwd, bwd in settings:
+        for (name, fwd, bwd), coarsest in [(st, c) for st in settings
+                                           for c in ("redundant", "sequential")
+                                           if st[1] is not None or c == "redundant"]:
+            name = f"{name} {coarsest} coarsest"
             single = mgnn.LayerParallel(model, fwd=fwd, bwd=bwd, backend="numba")
             loss1, g1 = single.loss_and_grad(x, y)
             lp = mgnn.LayerParallel(model, fwd=fwd, bwd=bwd, comm=COMM, data_ranks=data_ranks,
-                                    backend="numba")
+                                    backend="numba", coarsest=coarsest)
             shard = np.array_split(np.arange(8), data_ranks)[lp.replica]
             loss, g = lp.loss_and_grad(x[shard], y[shard])
             full = lp.gather(g)
@@ -164,7 +185,14 @@ def case_network():
             for part in ("forward", "adjoint"):
                 _close(lp.stats[part]["residuals"], single.stats[part]["residuals"], 1e-11,
                        f"{kind} {name} {part} residuals")
-            if name in ("converged", "layer-wise"):
+            if fwd is not None and lp.layout.layer_size > 1:
+                for kind_, opts_ in (("forward", fwd), ("adjoint", bwd)):
+                    sv = lp._solver(kind_, opts_)
+                    if sv.coarsest != coarsest or not sv.engine.stacked or \
+                            (sv.redundant_solves > 0) != (coarsest == "redundant"):
+                        raise AssertionError(f"rank {RANK}: {kind_} solver coarsest "
+                                             f"{sv.coarsest}, stacked {sv.engine.stacked}")
+            if name.split()[0] in ("converged", "layer-wise"):
                 _close(loss, exact_loss, 1e-10, f"{kind} {name} vs backprop loss")
                 for k in exact:
                     _close(full[k], exact[k], 1e-10, f"{kind} {name} vs backprop {k}")
