@@ -361,11 +361,12 @@ class LayerParallel:
         passes the solution along the ranks as a chain.
     threads : 'auto', int or None
         BLAS and Numba threads of this process (:func:`mgnn.comm.configure_threads`). 'auto'
-        (default): with more than one rank, each rank gets ``max(1, cores // ranks sharing
-        them)`` for every library whose thread variable (``OPENBLAS_NUM_THREADS``,
+        (default): ``max(1, cores // ranks sharing them)`` Numba threads (a single process: its
+        cores) and one BLAS thread (mgnn's per-layer GEMMs are small: BLAS threads slow them
+        down), for every library whose thread variable (``OPENBLAS_NUM_THREADS``,
         ``MKL_NUM_THREADS``, ``OMP_NUM_THREADS``, ``NUMBA_NUM_THREADS``) the environment does not
-        set; a single process is left as it is. int: that many threads for BLAS and Numba.
-        None: leave every thread setting alone. The limits are process-wide and persist.
+        set. int: that many threads for BLAS and Numba. None: leave every thread setting alone.
+        The limits are process-wide and persist.
 
     Attributes
     ----------

@@ -4,8 +4,13 @@ Under MPI every rank would otherwise start one BLAS (OpenBLAS/MKL/BLIS) thread a
 thread per core of the node, so P ranks on a node run P x cores threads and a training step can
 be ten times slower than with one thread per rank. :func:`configure_threads` counts the ranks of
 the user's communicator that share this node (``Split_type(COMM_TYPE_SHARED)``) and the cores in
-this rank's CPU affinity, and gives each rank ``cores // ranks sharing them`` threads (at least
-one), through ``threadpoolctl`` for BLAS and ``numba.set_num_threads`` for Numba.
+this rank's CPU affinity, and gives each rank ``cores // ranks sharing them`` Numba threads (at
+least one) and ONE BLAS thread, through ``numba.set_num_threads`` and ``threadpoolctl``, in a
+single process too: mgnn's per-layer GEMMs are small (a batch times a width), BLAS threads make
+them slower, not faster (serial training step, dense w=64, B=128, 256 layers, 2 cores: 104 ms
+with 2 OpenBLAS threads, 38 ms with 1), and inside Numba's parallel loops they oversubscribe
+the cores (MGRIT step 583 ms against 79 ms); Numba's threads run the intervals of a relaxation
+sweep and the samples of a convolution in parallel instead.
 
 The limits are process-wide (every BLAS call of the process, not only mgnn's, sees them) and
 stay after the call. Explicit settings win: a thread variable in the environment
@@ -118,9 +123,10 @@ def configure_threads(comm=None, threads="auto", environ=None):
     comm : mpi4py communicator or None
         The user's communicator; None or size 1 is a single process.
     threads : None, 'auto' or int
-        'auto': under MPI, ``max(1, cores // ranks sharing them)`` per rank for every library the
-        environment does not set; a single process is left unchanged. int: that many threads for
-        BLAS and Numba, whatever the environment says. None: change nothing (only report).
+        'auto': ``max(1, cores // ranks sharing them)`` Numba threads per rank (a single process:
+        its cores) and 1 BLAS thread, for every library the environment does not set. int: that
+        many threads for BLAS and Numba, whatever the environment says. None: change nothing
+        (only report).
         Numba's count is set for the calling thread: train in the thread that calls this.
     environ : mapping, optional
         The environment to read (default ``os.environ``).
@@ -144,8 +150,8 @@ def configure_threads(comm=None, threads="auto", environ=None):
     agree_on_errors(comm if distributed else None, err)
     local, sharing, cores = node_share(comm if distributed else None)
     info = {"per_rank": None, "local_ranks": local, "sharing": sharing, "cores": cores}
-    if threads is None or (threads == "auto" and not distributed):
-        why = "unchanged, threads=None" if threads is None else "unchanged, single process"
+    if threads is None:
+        why = "unchanged, threads=None"
         blas = [c.num_threads for c in _blas_controllers(False)]
         numba, _ = _numba()
         return dict(info, blas=max(blas, default=None), blas_source=why, numba=numba,
@@ -153,14 +159,16 @@ def configure_threads(comm=None, threads="auto", environ=None):
     if threads == "auto":
         n = info["per_rank"] = max(1, cores // sharing)
         why = f"auto: {cores} cores / {sharing} ranks sharing them"
+        n_blas, why_blas = 1, "auto: 1, per-layer GEMMs are small; Numba's threads run in parallel"
     else:
         n, why, environ = threads, f"threads={threads}", {}
+        n_blas, why_blas = n, why
     blas, blas_why = [], set()
     for ctl in _blas_controllers(True):
         var, _ = _env_int(environ, BLAS_VARS.get(ctl.internal_api, ("OMP_NUM_THREADS",)))
         if var is None:
-            ctl.set_num_threads(n)
-        blas_why.add(why if var is None else f"{var}={environ[var]} ({ctl.internal_api})")
+            ctl.set_num_threads(n_blas)
+        blas_why.add(why_blas if var is None else f"{var}={environ[var]} ({ctl.internal_api})")
         blas.append(ctl.num_threads)
     numba, numba_why = _numba(n, why, environ)
     return dict(info, blas=max(blas, default=None), numba=numba, numba_source=numba_why,
