@@ -562,10 +562,13 @@ class LayerParallel:
         self.stats = _exact_stats()
         return loss, grads
 
-    def _validated(self, x, y=None):
-        """Checked (x, y); in a distributed run every rank raises if any rank's input is bad."""
+    def _validated(self, x, y=None, out=None):
+        """Checked (x, y) (and the gradient buffer ``out`` if given); in a distributed run every
+        rank raises if any rank's input is bad (one collective, whatever each rank passed)."""
         err = None
         try:
+            if out is not None:
+                self._check_out(out)
             x = self._check_x(x)
             if y is not None:
                 y = self._check_y(y, x.shape[0])
@@ -656,24 +659,13 @@ class LayerParallel:
             a distributed run only the entries of this rank's layers are set (others are
             zero), summed over the replicas. :meth:`gather` assembles every entry on every rank.
         """
-        self._agree_out(out)
-        x, y = self._validated(x, y)
+        x, y = self._validated(x, y, out)
         lay = self.layout
         if lay.size == 1 and self.fwd is None and self.bwd is None:
             return self._serial_loss_and_grad(x, y, out)
         # a divergence is seen in the residual summed over every rank: raised on all alike
         with abort_on_error(lay.comm, "mgnn", collective=(DivergenceError,)):
             return self._general_loss_and_grad(x, y, out)
-
-    def _agree_out(self, out):
-        """:meth:`_check_out` on every rank alike (a bad ``out`` anywhere raises everywhere)."""
-        if out is not None:
-            err = None
-            try:
-                self._check_out(out)
-            except (TypeError, ValueError) as exc:
-                err = exc
-            agree_on_errors(self.layout.comm, err)
 
     def _check_out(self, out):
         """``out`` of :meth:`loss_and_grad` must be a ParamDict laid out like model.params."""

@@ -38,8 +38,7 @@ class PipelineParallel(LayerParallel):
     def loss_and_grad(self, x, y, out=None):
         """As :meth:`LayerParallel.loss_and_grad` (exact; ``stats['timings']`` filled; the
         gradient into ``out`` when given)."""
-        self._agree_out(out)
-        x, y = self._validated(x, y)
+        x, y = self._validated(x, y, out)
         if x.shape[0] < self.micro_batches:
             raise ValueError(f"batch of {x.shape[0]} samples cannot be split into "
                              f"{self.micro_batches} micro-batches")

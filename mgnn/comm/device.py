@@ -220,7 +220,13 @@ class DeviceHalo:
                 self._sync()
             return self.halo.allgather_rows(send, recv, counts, displs)
         t0 = time.perf_counter()
-        host_send, host_recv = self.xp.asnumpy(send), np.empty(recv.shape, recv.dtype)
+        key = ("gather", send.shape, recv.shape, send.dtype.str)
+        bufs = self._recv_host.get(key)
+        if bufs is None:  # pinned host buffers per shape, reused by every coarsest solve
+            bufs = self._recv_host[key] = (self._empty_pinned(send.shape, send.dtype),
+                                           self._empty_pinned(recv.shape, recv.dtype))
+        host_send, host_recv = bufs
+        self.xp.asnumpy(send, out=host_send)
         self.timers["staging"] += time.perf_counter() - t0
         self.halo.allgather_rows(host_send, host_recv, counts, displs)
         t0 = time.perf_counter()

@@ -250,12 +250,16 @@ class ListEngine:
 
     def replica_advance(self, replica, lev, FU, FG, n, plan):
         """Points 1..n of the full stores, stepped by ``replica`` (it can step every point)."""
-        saved = self.prop
+        saved = self.prop, self.fresh, self.batched, self.fused_rhs
         self.prop, self._full = replica, lev
+        self.fresh = bool(getattr(replica, "fresh_outputs", False))
+        self.batched = bool(getattr(replica, "batched", False)) and \
+            callable(getattr(replica, "step_batch", None))
+        self.fused_rhs = self.batched and bool(getattr(replica, "fused_rhs", False))
         try:
             self.advance(lev, FU, FG, [[1, n]] if n else [], plan, ("full",))
         finally:
-            self.prop, self._full = saved, None
+            (self.prop, self.fresh, self.batched, self.fused_rhs), self._full = saved, None
 
     def scatter_back(self, lev, FU, U):
         """This rank's points of the full store into its own store."""
@@ -366,9 +370,9 @@ class StackedEngine(ListEngine):
 
     def gather_level(self, lev, U, G, counts, displs, n):
         L = self.solver.levels[lev]
-        key = ("full", lev, U.shape[1:] if U is not None else None, self.solver._template.shape)
-        bufs = self._scratch.get(key)
         t = self.solver._template
+        key = ("full", lev, t.shape, t.dtype.str)
+        bufs = self._scratch.get(key)
         if bufs is None:
             full = type(L)(lev, n, L.s, _Whole(n), 0)
             bufs = self._scratch[key] = (self.store(full, t), self.store(full, t),
@@ -404,7 +408,7 @@ class StackedEngine(ListEngine):
         r2 = self.prop.points(U, G, R, slots, out_slots, origin, stride, lev, mode)
         if mode == RESIDUAL and not isinstance(r2, float):
             # a device scalar the next residual call overwrites: into this level's own buffer
-            key = ("norm", lev)
+            key = ("norm", lev) + key  # per call site: _apply adds the head's to the rest's
             buf = self._scratch.get(key)
             if buf is None:
                 buf = self._scratch[key] = r2.copy()

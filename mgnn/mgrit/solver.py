@@ -13,7 +13,11 @@ out of i, so layer i's parameters never move), or the state ``u_last`` itself fo
 propagator (attribute ``pull = True``: the receiver computes the step into its first point; the
 adjoint of a network uses this). Receives are posted first, the boundary chain is computed and
 sent first, interior work overlaps the messages, and the halo is waited for only where it is needed.
-The coarsest level is solved sequentially across ranks.
+The coarsest level is solved as a chain across ranks, or redundantly on every rank when the
+propagator offers ``coarse_replica`` (``coarsest``).
+
+States are kept per level by an engine (:mod:`.engines`): lists of arrays for any propagator, or
+one preallocated array per level for a ``stacked`` propagator (whole sweeps per call).
 """
 import math
 import numbers
@@ -196,6 +200,16 @@ class MGRITSolver:
     overlap : bool
         Overlap halo messages with interior work (default). ``False`` waits for the left halo
         before any local work and sends only after it (the baseline the benchmarks compare with).
+    reuse_states : bool
+        With a stacked propagator: reuse the level-0 store in the next solve (no allocation per
+        solve; ``MGRITResult.states``/``final`` are then views that the next solve overwrites).
+        Default False: every solve's results stay valid.
+    coarsest : {'auto', 'redundant', 'sequential'}
+        The coarsest level across ranks: 'redundant' solves it on every rank (an Allgatherv of
+        its right-hand sides, then the propagator's ``coarse_replica(level)``, which must return
+        a replica on every rank alike, or None on every rank for the chain); 'sequential' the
+        chain across ranks; 'auto' (default) redundant when the propagator has
+        ``coarse_replica`` and there is more than one rank.
     xp : module or None
         Array module of the states when they live on a GPU (``cupy``; None for host arrays):
         boundary states then go

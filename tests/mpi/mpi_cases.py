@@ -45,6 +45,54 @@ class ReplicaPullTanh(ReplicaTanh):
     pull = True
 
 
+class BatchedReplicaTanh(Tanh):
+    """Batched; its coarse replica is a plain (unbatched) stepper with the same layers."""
+
+    batched = True
+
+    def step_batch(self, us, starts, stops, level):
+        return [self.step(u, a, b, level) for u, a, b in zip(us, starts, stops)]
+
+    def coarse_replica(self, level):
+        plain = Tanh.__new__(Tanh)
+        plain.W, plain.b, plain.h = self.W, self.b, self.h
+        return plain
+
+
+class StackedPullTanh(PullTanh):
+    """PullTanh through the stacked protocol; like a GPU backend, ``points`` returns its squared
+    norm in one 0-d array that the next call overwrites."""
+
+    stacked = True
+
+    def __init__(self, n):
+        super().__init__(n)
+        self.norm = np.zeros(())
+
+    def _phi(self, U, i, origin, stride, level):
+        return self.step(U[i - 1], origin + (i - 1) * stride, origin + i * stride, level)
+
+    def advance(self, U, G, chains, origin, stride, level):
+        for first, length in chains:
+            for i in range(first, first + length):
+                v = self._phi(U, i, origin, stride, level)
+                U[i] = v if G is None else v + G[i]
+
+    def points(self, U, G, R, slots, out_slots, origin, stride, level, mode):
+        total = 0.0
+        for i, o in zip(slots, out_slots):
+            phi = self._phi(U, i, origin, stride, level)
+            if mode == 0:
+                R[o] = phi - U[i] + (0 if G is None else G[i])
+                total += float(np.vdot(R[o], R[o]))
+            elif mode == 1:
+                R[o] = (R[o] + U[i]) - phi
+            else:
+                R[o] = phi if G is None else phi + G[i]
+        self.norm[()] = total
+        return self.norm
+
+
 def _close(a, b, rtol, what):
     a, b = np.asarray(a), np.asarray(b)
     if a.shape != b.shape:
@@ -76,9 +124,11 @@ def case_solver():
         u0 = np.random.default_rng(n).standard_normal((2, 3))
         serial = MGRITSolver(Tanh(n), n, opts).solve(u0)
         for prop, overlap in ((Tanh(n), True), (PullTanh(n), True), (Tanh(n), False),
-                              (ReplicaTanh(n), True), (ReplicaPullTanh(n), False)):
+                              (ReplicaTanh(n), True), (ReplicaPullTanh(n), False),
+                              (StackedPullTanh(n), True), (BatchedReplicaTanh(n), True)):
             solver = MGRITSolver(prop, n, opts, comm=COMM, overlap=overlap)
-            redundant = isinstance(prop, ReplicaTanh) and SIZE > 1 and len(solver.sizes) > 1
+            redundant = isinstance(prop, (ReplicaTanh, BatchedReplicaTanh)) and SIZE > 1 and \
+                len(solver.sizes) > 1
             if solver.coarsest != ("redundant" if redundant else "sequential"):
                 raise AssertionError(f"rank {RANK}: coarsest {solver.coarsest} for {prop}")
             res = solver.solve(u0)
