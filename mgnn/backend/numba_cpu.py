@@ -653,11 +653,17 @@ def _conv_adj_step(lam, Kl, Dl, h, sp, acc, out, u, g, has_g, mode):
 
 
 # Each chain body runs one chain (first, n, o): o >= 0 writes R[o] (a point), o < 0 writes U[i].
-# It returns sum ||out||^2 in mode 0. Scratch is allocated once per chain, inside the kernel.
+# It returns sum ||out||^2 in mode 0. Its scratch comes from the driver: once per call (serial),
+# once per chain (parallel: one per thread's work).
 @njit(cache=True)
-def _dense_fwd_chain(U, G, has_g, R, W, P, d0, first, n, o, layer0, layer_step, h, act, mode):
+def _dense_fwd_scratch(U, mode):
     z = np.empty(U.shape[1:], dtype=U.dtype)
-    z2 = np.empty(U.shape[1:], dtype=U.dtype) if mode == 1 else z  # FAS only: phi's scratch
+    return z, (np.empty(U.shape[1:], dtype=U.dtype) if mode == 1 else z)  # FAS: phi's own
+
+
+@njit(cache=True)
+def _dense_fwd_chain(U, G, has_g, R, W, P, d0, first, n, o, layer0, layer_step, h, act, mode,
+                     z, z2):
     total = 0.0
     for i in range(first, first + n):
         l = layer0 + i * layer_step
@@ -668,9 +674,13 @@ def _dense_fwd_chain(U, G, has_g, R, W, P, d0, first, n, o, layer0, layer_step, 
 
 
 @njit(cache=True)
-def _dense_adj_chain(U, G, has_g, R, W, P, d0, first, n, o, layer0, layer_step, h, act, mode):
-    s = np.empty(U.shape[1:], dtype=U.dtype)
-    z = np.empty(U.shape[1:], dtype=U.dtype)
+def _dense_adj_scratch(U, mode):
+    return np.empty(U.shape[1:], dtype=U.dtype), np.empty(U.shape[1:], dtype=U.dtype)
+
+
+@njit(cache=True)
+def _dense_adj_chain(U, G, has_g, R, W, P, d0, first, n, o, layer0, layer_step, h, act, mode,
+                     s, z):
     total = 0.0
     for i in range(first, first + n):
         l = layer0 + i * layer_step
@@ -681,10 +691,14 @@ def _dense_adj_chain(U, G, has_g, R, W, P, d0, first, n, o, layer0, layer_step, 
 
 
 @njit(cache=True)
-def _conv_fwd_chain(U, G, has_g, R, W, P, d0, first, n, o, layer0, layer_step, h, act, mode):
-    _, _, C, H, Wd = U.shape
-    xp = np.zeros((C, H + 2, Wd + 2), dtype=U.dtype)
-    acc = np.empty((H, Wd), dtype=U.dtype)
+def _conv_scratch(U, mode):
+    _, _, C, H, Wd = U.shape  # the padded plane's border stays zero: reusable across chains
+    return np.zeros((C, H + 2, Wd + 2), dtype=U.dtype), np.empty((H, Wd), dtype=U.dtype)
+
+
+@njit(cache=True)
+def _conv_fwd_chain(U, G, has_g, R, W, P, d0, first, n, o, layer0, layer_step, h, act, mode,
+                    xp, acc):
     total = 0.0
     for i in range(first, first + n):
         l = layer0 + i * layer_step
@@ -695,10 +709,8 @@ def _conv_fwd_chain(U, G, has_g, R, W, P, d0, first, n, o, layer0, layer_step, h
 
 
 @njit(cache=True)
-def _conv_adj_chain(U, G, has_g, R, W, P, d0, first, n, o, layer0, layer_step, h, act, mode):
-    _, _, C, H, Wd = U.shape
-    sp = np.zeros((C, H + 2, Wd + 2), dtype=U.dtype)
-    acc = np.empty((H, Wd), dtype=U.dtype)
+def _conv_adj_chain(U, G, has_g, R, W, P, d0, first, n, o, layer0, layer_step, h, act, mode,
+                    sp, acc):
     total = 0.0
     for i in range(first, first + n):
         l = layer0 + i * layer_step
@@ -720,11 +732,12 @@ def _sum(a):
 
 @njit(cache=True)
 def _dense_fwd(U, G, has_g, R, W, P, d0, idx, outs, l0, ls, h, act, mode):
+    a, b = _dense_fwd_scratch(U, mode)
     total = 0.0
     for c in range(idx.shape[0]):
         total += _dense_fwd_chain(
             U, G, has_g, R, W, P, d0, idx[c, 0], idx[c, 1] if idx.shape[1] == 2 else 1,
-            outs[c] if outs.size else -1, l0, ls, h, act, mode)
+            outs[c] if outs.size else -1, l0, ls, h, act, mode, a, b)
     return total
 
 
@@ -732,19 +745,21 @@ def _dense_fwd(U, G, has_g, R, W, P, d0, idx, outs, l0, ls, h, act, mode):
 def _dense_fwd_par(U, G, has_g, R, W, P, d0, idx, outs, l0, ls, h, act, mode):
     norms = np.zeros(idx.shape[0])
     for c in prange(idx.shape[0]):
+        a, b = _dense_fwd_scratch(U, mode)
         norms[c] = _dense_fwd_chain(
             U, G, has_g, R, W, P, d0, idx[c, 0], idx[c, 1] if idx.shape[1] == 2 else 1,
-            outs[c] if outs.size else -1, l0, ls, h, act, mode)
+            outs[c] if outs.size else -1, l0, ls, h, act, mode, a, b)
     return _sum(norms)
 
 
 @njit(cache=True)
 def _dense_adj(U, G, has_g, R, W, P, d0, idx, outs, l0, ls, h, act, mode):
+    a, b = _dense_adj_scratch(U, mode)
     total = 0.0
     for c in range(idx.shape[0]):
         total += _dense_adj_chain(
             U, G, has_g, R, W, P, d0, idx[c, 0], idx[c, 1] if idx.shape[1] == 2 else 1,
-            outs[c] if outs.size else -1, l0, ls, h, act, mode)
+            outs[c] if outs.size else -1, l0, ls, h, act, mode, a, b)
     return total
 
 
@@ -752,19 +767,21 @@ def _dense_adj(U, G, has_g, R, W, P, d0, idx, outs, l0, ls, h, act, mode):
 def _dense_adj_par(U, G, has_g, R, W, P, d0, idx, outs, l0, ls, h, act, mode):
     norms = np.zeros(idx.shape[0])
     for c in prange(idx.shape[0]):
+        a, b = _dense_adj_scratch(U, mode)
         norms[c] = _dense_adj_chain(
             U, G, has_g, R, W, P, d0, idx[c, 0], idx[c, 1] if idx.shape[1] == 2 else 1,
-            outs[c] if outs.size else -1, l0, ls, h, act, mode)
+            outs[c] if outs.size else -1, l0, ls, h, act, mode, a, b)
     return _sum(norms)
 
 
 @njit(cache=True)
 def _conv_fwd(U, G, has_g, R, W, P, d0, idx, outs, l0, ls, h, act, mode):
+    a, b = _conv_scratch(U, mode)
     total = 0.0
     for c in range(idx.shape[0]):
         total += _conv_fwd_chain(
             U, G, has_g, R, W, P, d0, idx[c, 0], idx[c, 1] if idx.shape[1] == 2 else 1,
-            outs[c] if outs.size else -1, l0, ls, h, act, mode)
+            outs[c] if outs.size else -1, l0, ls, h, act, mode, a, b)
     return total
 
 
@@ -772,19 +789,21 @@ def _conv_fwd(U, G, has_g, R, W, P, d0, idx, outs, l0, ls, h, act, mode):
 def _conv_fwd_par(U, G, has_g, R, W, P, d0, idx, outs, l0, ls, h, act, mode):
     norms = np.zeros(idx.shape[0])
     for c in prange(idx.shape[0]):
+        a, b = _conv_scratch(U, mode)
         norms[c] = _conv_fwd_chain(
             U, G, has_g, R, W, P, d0, idx[c, 0], idx[c, 1] if idx.shape[1] == 2 else 1,
-            outs[c] if outs.size else -1, l0, ls, h, act, mode)
+            outs[c] if outs.size else -1, l0, ls, h, act, mode, a, b)
     return _sum(norms)
 
 
 @njit(cache=True)
 def _conv_adj(U, G, has_g, R, W, P, d0, idx, outs, l0, ls, h, act, mode):
+    a, b = _conv_scratch(U, mode)
     total = 0.0
     for c in range(idx.shape[0]):
         total += _conv_adj_chain(
             U, G, has_g, R, W, P, d0, idx[c, 0], idx[c, 1] if idx.shape[1] == 2 else 1,
-            outs[c] if outs.size else -1, l0, ls, h, act, mode)
+            outs[c] if outs.size else -1, l0, ls, h, act, mode, a, b)
     return total
 
 
@@ -792,9 +811,10 @@ def _conv_adj(U, G, has_g, R, W, P, d0, idx, outs, l0, ls, h, act, mode):
 def _conv_adj_par(U, G, has_g, R, W, P, d0, idx, outs, l0, ls, h, act, mode):
     norms = np.zeros(idx.shape[0])
     for c in prange(idx.shape[0]):
+        a, b = _conv_scratch(U, mode)
         norms[c] = _conv_adj_chain(
             U, G, has_g, R, W, P, d0, idx[c, 0], idx[c, 1] if idx.shape[1] == 2 else 1,
-            outs[c] if outs.size else -1, l0, ls, h, act, mode)
+            outs[c] if outs.size else -1, l0, ls, h, act, mode, a, b)
     return _sum(norms)
 
 
