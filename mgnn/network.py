@@ -432,6 +432,7 @@ class LayerParallel:
         self._previous_states = None
         self._solvers = {}
         self._replica_buffers, self._replica_seconds = {}, 0.0
+        self._arrays = {}  # per-shape arrays reused by every step (:meth:`_reused`)
 
     @property
     def stats(self):
@@ -608,10 +609,8 @@ class LayerParallel:
         if lay.first:
             u0, d_open = m.opening.forward(m.group("opening"), x, bk)
         else:
-            shape = m.step.state_shape(x.shape[0])  # a template only: zeros, kept per shape
-            if getattr(self, "_zero_u0", None) is None or self._zero_u0.shape != shape:
-                self._zero_u0 = self.xp.zeros(shape, dtype=m.dtype)
-            u0, d_open = self._zero_u0, None
+            # a template only (the owner's values are used): zeros, kept per shape
+            u0, d_open = self._reused("zeros", m.step.state_shape(x.shape[0]), m.dtype), None
         solver = self._solver("forward", opts)
         self._refresh_replica(solver)
         res = solver.solve(u0, guess)
@@ -727,7 +726,8 @@ class LayerParallel:
         stacked = res.store is not None and _has_stacked_grads(bk)
         t0 = time.perf_counter()
         template = U[lo] if len(owned) else U[N]
-        derivs = self._derivs_buffer(template, len(owned))  # sigma' of layer n in row n - lo
+        # sigma' of layer n in row n - lo
+        derivs = self._reused("derivs", (len(owned),) + template.shape, template.dtype)
         if stacked:
             Uf, a_f = res.store  # state n in slot n - a_f + 1
             m.step.deriv_stacked(W, b, Uf, lo - a_f + 1, len(owned), lo, derivs, bk)
@@ -755,7 +755,7 @@ class LayerParallel:
                 grads[f"closing.{k}"][...] = v
             buckets.start("closing.weight", "closing.bias")
         elif stacked:  # the stacked engine copies u0 into its store: a cached zero serves
-            lam_N = self._zero_state(template)
+            lam_N = self._reused("zeros", template.shape, template.dtype)
         else:
             lam_N = self.xp.zeros_like(template)
         solver = self._solver("adjoint", self.bwd or self._serial_opts)
@@ -826,12 +826,15 @@ class LayerParallel:
                 v[...] = 0
         return grads
 
-    def _zero_state(self, like):
-        """A cached all-zero array shaped like ``like`` (never written: read-only use)."""
-        key = (tuple(like.shape), like.dtype.str)
-        if getattr(self, "_zeros", (None,))[0] != key:
-            self._zeros = (key, self.xp.zeros(like.shape, like.dtype))
-        return self._zeros[1]
+    def _reused(self, name, shape, dtype):
+        """An array of this backend kept per (name, shape, dtype) across calls: 'zeros' arrays
+        are all-zero and only read (templates, a zero lam_N); others are scratch."""
+        key = (name, tuple(shape), np.dtype(dtype).str)
+        a = self._arrays.get(key)
+        if a is None:
+            make = self.xp.zeros if name == "zeros" else self.xp.empty
+            a = self._arrays[key] = make(tuple(shape), dtype=dtype)
+        return a
 
     def _refresh_replica(self, solver, derivs=None):
         """Before a solve with a redundant coarsest level: every rank gets the coarsest level's
@@ -867,13 +870,6 @@ class LayerParallel:
         _allreduce_staged(lay.layer_comm, flat, polled=True)
         self._replica_seconds += time.perf_counter() - t0
         solver.prop.replicas = {lev: CoarseReplica(solver.prop, Wc, Sc, S, adjoint)}
-
-    def _derivs_buffer(self, like, n):
-        """A reused (n, *state) array for sigma' of this rank's layers (states like ``like``)."""
-        key = (n,) + tuple(like.shape) + (like.dtype.str,)
-        if getattr(self, "_derivs_key", None) != key:
-            self._derivs, self._derivs_key = self.xp.empty((n,) + like.shape, like.dtype), key
-        return self._derivs
 
     def _exchange_adjoint_halo(self, lam, timings):
         """Start the exchange of lam at forward index hi (the next layer rank's first point, needed

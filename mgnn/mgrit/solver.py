@@ -411,11 +411,11 @@ class MGRITSolver:
         eng.replica_advance(replica, lev, FU, FG, L.n, self._plan(lev, "redundant", None))
         eng.scatter_back(lev, FU, U)
 
-    def _coarse_range(self, lev):
-        """(first fine slot, first coarse slot, count) of the coarse points i >= i_min of level
-        lev + 1 held here, as fine slots of level lev (every cf-th) and coarse slots."""
+    def _coarse_range(self, lev, i0):
+        """(fine slot, coarse slot, count) of the coarse points i0 .. C.b - 1 held here: as
+        slots of level lev (every cf-th from the first) and of level lev + 1 (consecutive)."""
         F, C, cf = self.levels[lev], self.levels[lev + 1], self.options.cf
-        return (lambda i0: (cf * i0 - F.a + 1, i0 - C.a + 1, max(C.b - i0, 0)))
+        return cf * i0 - F.a + 1, i0 - C.a + 1, max(C.b - i0, 0)
 
     def _restrict(self, U, G, lev, fas=True):
         """F-relax ``lev``, its C-point residuals, injection and the FAS rhs of level+1.
@@ -428,7 +428,7 @@ class MGRITSolver:
         cf, eng = self.options.cf, self.engine
         C = self.levels[lev + 1]
         V, Gc, Uc = eng.coarse_stores(lev + 1, self._template)
-        f0, c0, k = self._coarse_range(lev)(C.a)
+        f0, c0, k = self._coarse_range(lev, C.a)
         eng.inject(U, V, f0, cf, c0, k)
         r2 = 0.0
         if fas:
@@ -465,7 +465,7 @@ class MGRITSolver:
                 self._cycle(lev + 1, Uc, Gc, "V", False)
             self._f_relax(Uc, Gc, lev + 1)
         C = self.levels[lev + 1]
-        f0, c0, k = self._coarse_range(lev)(max(C.a, 1))
+        f0, c0, k = self._coarse_range(lev, max(C.a, 1))
         self.engine.correct(U, Uc, V, f0, o.cf, c0, k)
         return r2
 
