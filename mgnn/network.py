@@ -17,6 +17,8 @@ from .mgrit import DivergenceError, MGRITOptions, MGRITSolver, hierarchy
 from .mgrit.partition import Partition, balanced_starts, block_work, layer_work
 from .blocks import (ConvOpening, ConvStep, DenseClosing, DenseOpening, DenseStep, PoolClosing,
                      SoftmaxCrossEntropy)
+from .blocks.composed import (Activation, Affine, BatchNorm, ComposedStep, Dropout,
+                              StepContext)
 from .params import ParamDict
 
 
@@ -49,7 +51,8 @@ class Model:
         The constructor arguments (what a checkpoint records to check compatibility).
     """
 
-    def __init__(self, opening, step, closing, n_layers, t_final, dtype, seed, config):
+    def __init__(self, opening, step, closing, n_layers, t_final, dtype, seed, config,
+                 dropout_seed=None):
         self.opening, self.step, self.closing = opening, step, closing
         self.loss = SoftmaxCrossEntropy()
         self.n_layers = n_layers
@@ -62,7 +65,29 @@ class Model:
             for pname, shape in kind.param_shapes().items():
                 shapes[f"{prefix}.{pname}"] = lead + tuple(shape)
         self.params = ParamDict.allocate(shapes, dtype)
+        self.buffers = ParamDict.allocate(
+            {f"steps.{k}": (n_layers,) + tuple(s) for k, s in step.buffer_shapes().items()},
+            dtype)
+        if "steps.running_var" in self.buffers:
+            self.buffers["steps.running_var"][...] = 1  # PyTorch's initial running statistics
+        self.training = True
+        #: training steps taken (LayerParallel.loss_and_grad in train mode): the step counter t
+        #: of the dropout masks; saved in checkpoints
+        self.train_steps = 0
+        self.dropout_seed = int(seed if dropout_seed is None else dropout_seed) % 2 ** 64
         self._initialise(seed)
+
+    def train(self, mode=True):
+        """Train mode (batch statistics, dropout) or, with ``mode=False``, eval mode; returns
+        the model (PyTorch's convention)."""
+        if not isinstance(mode, bool):
+            raise TypeError(f"mode must be a bool, got {mode!r}")
+        self.training = mode
+        return self
+
+    def eval(self):
+        """Eval mode: running statistics, no dropout (:meth:`train` with False)."""
+        return self.train(False)
 
     @property
     def h(self):
@@ -82,11 +107,19 @@ class Model:
         """{'weight': ..., 'bias': ...} views of 'opening', 'steps' or 'closing'."""
         return {k.split(".", 1)[1]: v for k, v in self.params.items() if k.startswith(prefix + ".")}
 
+    def group_buffers(self):
+        """{'running_mean': ..., 'running_var': ...} views of the steps' buffers (empty
+        without batch norm)."""
+        return {k.split(".", 1)[1]: v for k, v in self.buffers.items()}
+
     def _initialise(self, seed):
         """Uniform(-1/sqrt(fan_in), 1/sqrt(fan_in)) for every weight and bias (PyTorch's default
         for Linear/Conv2d), drawn in float64 from ``seed`` alone in name order, then rounded."""
         rng = np.random.default_rng(seed)
         for name, arr in self.params.items():
+            if name.split(".")[1] in ("bn_weight", "bn_bias"):  # PyTorch: gamma 1, beta 0; no
+                arr[...] = 1.0 if name.endswith("weight") else 0.0  # draw (other seeds kept)
+                continue
             prefix = name.split(".")[0]
             wshape = self.params[prefix + ".weight"].shape
             fan_in = int(np.prod(wshape[2:] if prefix == "steps" else wshape[1:]))
@@ -106,8 +139,35 @@ def _common(n_classes, n_layers, t_final, activation, dtype):
     return n_classes, n_layers, float(t_final), check_dtype(dtype)
 
 
+def _residual_kind(fused, conv, channels, sample_shape, activation, batch_norm, dropout,
+                   bn_eps, bn_momentum, config):
+    """The step kind: the fused one, or F = dropout(sigma(BN(affine(u)))) composed of blocks
+    when batch norm or dropout is asked for (recorded in ``config``)."""
+    if not isinstance(batch_norm, bool):
+        raise TypeError(f"batch_norm must be a bool, got {batch_norm!r}")
+    if isinstance(dropout, bool) or not isinstance(dropout, numbers.Real):
+        raise TypeError(f"dropout must be a number in [0, 1), got {dropout!r}")
+    dropout = float(dropout)
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
+    if not batch_norm and dropout == 0.0:
+        return fused
+    blocks, shapes, buffers = [Affine(conv)], dict(fused.param_shapes()), {}
+    if batch_norm:
+        blocks.append(BatchNorm(channels, bn_eps, bn_momentum))
+        shapes.update(bn_weight=(channels,), bn_bias=(channels,))
+        buffers.update(running_mean=(channels,), running_var=(channels,))
+        config.update(batch_norm=True, bn_eps=float(bn_eps), bn_momentum=float(bn_momentum))
+    blocks.append(Activation(activation))
+    if dropout:
+        blocks.append(Dropout(dropout))
+        config.update(dropout=dropout)
+    return ComposedStep(blocks, sample_shape, shapes, buffers)
+
+
 def dense_resnet(in_features, width, n_classes, n_layers, t_final=1.0, activation="tanh",
-                 dtype="float64", seed=0):
+                 dtype="float64", seed=0, batch_norm=False, dropout=0.0, bn_eps=1e-5,
+                 bn_momentum=0.1):
     """Dense ResNet: sigma(x A^T + a), N steps F(u) = sigma(u W^T + b), affine closing.
 
     Parameters
@@ -119,7 +179,16 @@ def dense_resnet(in_features, width, n_classes, n_layers, t_final=1.0, activatio
     activation : {'tanh', 'relu'}
     dtype : {'float32', 'float64'}
     seed : int
-        The initial parameters depend on this seed only.
+        The initial parameters depend on this seed only; it also seeds the dropout masks.
+    batch_norm : bool
+        F(u) = sigma(BN(u W^T + b)) with PyTorch's BatchNorm1d per layer (parameters
+        ``steps.bn_weight``, ``steps.bn_bias`` (N, w); running statistics in
+        ``model.buffers``: ``steps.running_mean``, ``steps.running_var`` (N, w)).
+    dropout : float
+        p in [0, 1): F(u) = dropout(sigma(...)), inverted dropout with counter-based masks (a
+        function of seed, training step, layer, global sample and element).
+    bn_eps, bn_momentum : float
+        Batch-norm epsilon and running-statistics momentum (PyTorch's defaults).
 
     Returns
     -------
@@ -130,12 +199,15 @@ def dense_resnet(in_features, width, n_classes, n_layers, t_final=1.0, activatio
     width = _positive_int("width", width)
     config = dict(model="dense", in_features=in_features, width=width, n_classes=n_classes,
                   n_layers=n_layers, t_final=t_final, activation=activation, dtype=dt.name)
-    return Model(DenseOpening(in_features, width, activation), DenseStep(width, activation),
+    step = _residual_kind(DenseStep(width, activation), False, width, (width,), activation,
+                          batch_norm, dropout, bn_eps, bn_momentum, config)
+    return Model(DenseOpening(in_features, width, activation), step,
                  DenseClosing(width, n_classes), n_layers, t_final, dt, seed, config)
 
 
 def conv_resnet(in_channels, channels, image_size, n_classes, n_layers, t_final=1.0,
-                activation="tanh", dtype="float64", seed=0, pool=1):
+                activation="tanh", dtype="float64", seed=0, pool=1, batch_norm=False,
+                dropout=0.0, bn_eps=1e-5, bn_momentum=0.1):
     """Conv ResNet: sigma(conv3x3(x) + a) to ``channels``, N conv steps, avgpool + affine closing.
 
     Parameters
@@ -149,6 +221,9 @@ def conv_resnet(in_channels, channels, image_size, n_classes, n_layers, t_final=
         affine map; H and W must be divisible by ``pool``.
     n_classes, n_layers, t_final, activation, dtype, seed
         As in :func:`dense_resnet`.
+    batch_norm, dropout, bn_eps, bn_momentum
+        As in :func:`dense_resnet`: F(u) = dropout(sigma(BN(conv3x3(u, K) + b))) with
+        BatchNorm2d per layer (``steps.bn_weight``, ``steps.bn_bias`` (N, C)).
     """
     n_classes, n_layers, t_final, dt = _common(n_classes, n_layers, t_final, activation, dtype)
     in_channels = _positive_int("in_channels", in_channels)
@@ -162,8 +237,10 @@ def conv_resnet(in_channels, channels, image_size, n_classes, n_layers, t_final=
     config = dict(model="conv", in_channels=in_channels, channels=channels,
                   image_size=list(image_size), n_classes=n_classes, n_layers=n_layers,
                   t_final=t_final, activation=activation, dtype=dt.name, pool=pool)
-    return Model(ConvOpening(in_channels, channels, image_size, activation),
-                 ConvStep(channels, image_size, activation),
+    step = _residual_kind(ConvStep(channels, image_size, activation), True, channels,
+                          (channels,) + image_size, activation, batch_norm, dropout, bn_eps,
+                          bn_momentum, config)
+    return Model(ConvOpening(in_channels, channels, image_size, activation), step,
                  PoolClosing(channels, image_size, n_classes, pool), n_layers, t_final, dt, seed,
                  config)
 
@@ -177,14 +254,15 @@ class ForwardPropagator:
 
     fresh_outputs = True  # every step returns a new array
 
-    def __init__(self, model, bk):
-        self.kind, self.bk = model.step, bk
-        steps = model.group("steps")
+    def __init__(self, model, bk, ctx=None):
+        self.kind, self.bk, self.ctx = model.step, bk, ctx
+        self.P = steps = model.group("steps")
         self.W, self.b = steps["weight"], steps["bias"]
         self.h, self.dtype = model.t_final / model.n_layers, model.dtype
-        self.batched = bool(getattr(bk, "batched_relaxation", False))
+        fused = self.kind.fused  # composed steps: the single-state (list) protocol only
+        self.batched = fused and bool(getattr(bk, "batched_relaxation", False))
         self.fused_rhs = True  # step_batch adds the FAS rhs in the kernel's epilogue
-        self.stacked = _has_stacked(bk)
+        self.stacked = fused and _has_stacked(bk)
         self.replicas = {}
 
     def advance(self, U, G, chains, origin, stride, level):
@@ -213,7 +291,7 @@ class ForwardPropagator:
     def step(self, u, start, stop, level):
         """State at fine index ``stop`` from ``u`` at ``start``: u + (stop-start) h F(u; theta_start)."""
         h = self.dtype.type((stop - start) * self.h)
-        return self.kind.forward(self.W[start], self.b[start], u, h, self.bk)
+        return self.kind.forward_layer(self.P, start, u, h, self.bk, self.ctx)
 
 
 class AdjointPropagator:
@@ -233,15 +311,16 @@ class AdjointPropagator:
     pull = True
     fresh_outputs = True
 
-    def __init__(self, model, states, derivs, bk):
-        self.kind, self.bk = model.step, bk
-        steps = model.group("steps")
+    def __init__(self, model, states, derivs, bk, ctx=None):
+        self.kind, self.bk, self.ctx = model.step, bk, ctx
+        self.P = steps = model.group("steps")
         self.W, self.b = steps["weight"], steps["bias"]
         self.N, self.h, self.dtype = model.n_layers, model.t_final / model.n_layers, model.dtype
-        self.U, self.D = states, derivs
-        self.batched = bool(getattr(bk, "batched_relaxation", False))
+        self.U, self.D = states, derivs  # D[n]: linearisation cache of layer n (or None)
+        fused = self.kind.fused
+        self.batched = fused and bool(getattr(bk, "batched_relaxation", False))
         self.fused_rhs = True
-        self.stacked = _has_stacked(bk)
+        self.stacked = fused and _has_stacked(bk)
         self.derivs, self.d0 = None, 0  # sigma' of layers d0, d0 + 1, ... as one array
         self.replicas = {}
 
@@ -286,8 +365,10 @@ class AdjointPropagator:
         """Adjoint at reversed index ``stop`` from ``lam`` at reversed index ``start``."""
         n = self.N - stop
         h = self.dtype.type((stop - start) * self.h)
-        return self.kind.vjp_state(self.W[n], self.b[n], self.U[n], h, lam, self.bk,
-                                   deriv=self.D[n])
+        cache = self.D[n]
+        if cache is None:  # not stored: linearise at the stored state
+            cache = self.kind.linearize(self.P, n, self.U[n], self.bk, self.ctx)
+        return self.kind.vjp_state_layer(self.P, n, cache, lam, h, self.bk, self.ctx)
 
 
 class CoarseReplica:
@@ -367,6 +448,20 @@ class LayerParallel:
         ``MKL_NUM_THREADS``, ``OMP_NUM_THREADS``, ``NUMBA_NUM_THREADS``) the environment does not
         set. int: that many threads for BLAS and Numba. None: leave every thread setting alone.
         The limits are process-wide and persist.
+    sync_bn : bool
+        Batch norm over the global batch: every BN evaluation merges the replicas' statistics
+        (one small allgather over the data replicas) so that any layer ranks x replicas run
+        equals one process on the whole batch to round-off. False (default): each replica
+        normalises with its own shard's statistics (PyTorch DDP's default). A no-op without
+        data replicas or without batch norm.
+
+    Composed steps (batch norm, dropout: :class:`mgnn.blocks.composed.ComposedStep`) run the
+    single-state propagator protocol, and their coarsest level is always 'sequential' (the
+    redundant one copies the compact fused layers). The model's mode (:meth:`Model.train` /
+    :meth:`Model.eval`) decides batch or running statistics and dropout in
+    :meth:`loss_and_grad`; :meth:`logits` and :meth:`predict` always use eval mode. A
+    train-mode call updates the running statistics once, from the final forward states, and
+    counts ``model.train_steps`` (the dropout masks' step counter).
 
     Attributes
     ----------
@@ -380,7 +475,8 @@ class LayerParallel:
     """
 
     def __init__(self, model, fwd=None, bwd=None, comm=None, backend="numba", warm_start=False,
-                 data_ranks=1, overlap=True, threads="auto", coarsest="redundant"):
+                 data_ranks=1, overlap=True, threads="auto", coarsest="redundant",
+                 sync_bn=False):
         if not isinstance(model, Model):
             raise TypeError(f"model must be an mgnn Model, got {type(model).__name__}")
         for name, opt in (("fwd", fwd), ("bwd", bwd)):
@@ -407,6 +503,7 @@ class LayerParallel:
         self.xp = getattr(self.bk, "xp", np)
         if self.xp is not np:
             model.params = model.params.to(self.xp)
+            model.buffers = model.buffers.to(self.xp)
         N, P = model.n_layers, self.layout.layer_size
         self._serial_opts = MGRITOptions(max_levels=1)
         for opt in (fwd, bwd):  # validates the hierarchy against N before any kernel runs
@@ -415,8 +512,16 @@ class LayerParallel:
                 opt.for_dtype(model.dtype)  # a tolerance the dtype cannot resolve: rejected
         if coarsest not in ("redundant", "sequential"):
             raise ValueError(f"coarsest must be 'redundant' or 'sequential', got {coarsest!r}")
-        self.coarsest = coarsest
-        work = layer_work_model(N, fwd, bwd, coarsest)
+        if not isinstance(sync_bn, bool):
+            raise TypeError(f"sync_bn must be a bool, got {sync_bn!r}")
+        self.coarsest = coarsest if model.step.fused else "sequential"
+        self.sync_bn = sync_bn
+        replicas = None
+        if sync_bn and self.layout.data_ranks > 1 and len(model.buffers):
+            replicas = _ReplicaGather(self.layout.data_comm)
+        self.ctx = StepContext(seed=model.dropout_seed, buffers=model.group_buffers(),
+                               replicas=replicas)
+        work = layer_work_model(N, fwd, bwd, self.coarsest)
         align = fwd.cf if fwd is not None else 1
         starts = balanced_starts(N, P, align, work=work, extra_first=OPENING_WORK,
                                  extra_last=CLOSING_WORK)
@@ -531,13 +636,22 @@ class LayerParallel:
 
     # ------------------------------------------------------------------------------ computation
     def _serial_states(self, u0, store):
-        """Layer after layer: U (N+1, B, ...) and, if ``store``, D = sigma'(z_n) (N, B, ...)."""
-        m = self.model
+        """Layer after layer: U (N+1, B, ...) and, if ``store``, D: the linearisation caches
+        (fused kinds: sigma'(z_n) as one (N, B, ...) array; composed: a list)."""
+        m, kind, ctx = self.model, self.model.step, self.ctx
         steps = m.group("steps")
         U = self.xp.empty((m.n_layers + 1,) + u0.shape, dtype=m.dtype)
         U[0] = u0
-        D = self.xp.empty((m.n_layers if store else 0,) + u0.shape, dtype=m.dtype)
-        m.step.sweep_forward(steps["weight"], steps["bias"], U, m.h, D, self.bk)
+        if kind.fused:
+            D = self.xp.empty((m.n_layers if store else 0,) + u0.shape, dtype=m.dtype)
+            kind.sweep_forward(steps["weight"], steps["bias"], U, m.h, D, self.bk)
+            return U, D
+        D = [None] * m.n_layers
+        for n in range(m.n_layers):
+            if store:
+                U[n + 1], D[n] = kind.forward_linearize(steps, n, U[n], m.h, self.bk, ctx)
+            else:
+                U[n + 1] = kind.forward_layer(steps, n, U[n], m.h, self.bk, ctx)
         return U, D
 
     def _forward(self, x, store):
@@ -554,8 +668,14 @@ class LayerParallel:
         grads = m.params.zeros_like() if out is None else out  # every entry is written below
         lam, gc = m.closing.vjp(m.group("closing"), U[-1], c_close, g, bk)
         steps = m.group("steps")
-        lam = m.step.sweep_backward(steps["weight"], steps["bias"], U, D, m.h, lam,
-                                    grads["steps.weight"], grads["steps.bias"], bk)
+        if m.step.fused:
+            lam = m.step.sweep_backward(steps["weight"], steps["bias"], U, D, m.h, lam,
+                                        grads["steps.weight"], grads["steps.bias"], bk)
+        else:
+            G = {k.split(".", 1)[1]: v for k, v in grads.items() if k.startswith("steps.")}
+            for n in range(m.n_layers - 1, -1, -1):
+                lam = m.step.vjp_layer(steps, n, U[n], D[n], lam, m.h, bk, self.ctx, G)
+            self._commit_buffers(range(m.n_layers), D)
         _, go = m.opening.vjp(m.group("opening"), x, d_open, lam, bk)
         for prefix, gd in (("opening", go), ("closing", gc)):
             for k, v in gd.items():
@@ -583,6 +703,11 @@ class LayerParallel:
             if len(set(mine)) > 1:
                 raise ValueError(f"the layer ranks of replica {replica} passed batches of sizes "
                                  f"{mine}; every layer rank of a replica must pass the same shard")
+        shards = [batches[r * L] for r in range(lay.data_ranks)]
+        if y is not None and self.model.training:  # the same check on every rank
+            stat_batches = [sum(shards)] if self.ctx.replicas is not None else shards
+            self.model.step.check_batch(min(stat_batches))
+        self.ctx.sample0 = sum(shards[:lay.replica])
         return x, y
 
     def _solver(self, kind, opts):
@@ -592,9 +717,10 @@ class LayerParallel:
         if key not in self._solvers:
             lay, m = self.layout, self.model
             if kind == "forward":
-                prop, part = ForwardPropagator(m, self.bk), self.partition
+                prop, part = ForwardPropagator(m, self.bk, self.ctx), self.partition
             else:
-                prop, part = AdjointPropagator(m, None, None, self.bk), self.adjoint_partition
+                prop, part = (AdjointPropagator(m, None, None, self.bk, self.ctx),
+                              self.adjoint_partition)
             self._solvers[key] = MGRITSolver(prop, m.n_layers, opts, comm=lay.layer_comm,
                                              partition=part, norm_comm=lay.comm,
                                              abort_on_error=False, overlap=self.overlap,
@@ -621,6 +747,7 @@ class LayerParallel:
         (the network's function, whatever the training solver options); on every layer rank."""
         x, _ = self._validated(x)
         lay = self.layout
+        self.ctx.training = False  # evaluation: running statistics, no dropout
         if lay.layer_size == 1:
             return self._forward(x, store=False)[0]
         with abort_on_error(lay.comm, "mgnn"):
@@ -659,12 +786,24 @@ class LayerParallel:
             zero), summed over the replicas. :meth:`gather` assembles every entry on every rank.
         """
         x, y = self._validated(x, y, out)
-        lay = self.layout
+        lay, m = self.layout, self.model
+        self.ctx.training, self.ctx.step = m.training, m.train_steps
         if lay.size == 1 and self.fwd is None and self.bwd is None:
-            return self._serial_loss_and_grad(x, y, out)
-        # a divergence is seen in the residual summed over every rank: raised on all alike
-        with abort_on_error(lay.comm, "mgnn", collective=(DivergenceError,)):
-            return self._general_loss_and_grad(x, y, out)
+            result = self._serial_loss_and_grad(x, y, out)
+        else:
+            # a divergence is seen in the residual summed over every rank: raised on all alike
+            with abort_on_error(lay.comm, "mgnn", collective=(DivergenceError,)):
+                result = self._general_loss_and_grad(x, y, out)
+        if m.training:
+            m.train_steps += 1
+        return result
+
+    def _commit_buffers(self, layers, caches):
+        """Train mode: the running statistics of ``layers`` from their caches at the final
+        forward states (once per training step)."""
+        if self.ctx.training:
+            for n in layers:
+                self.model.step.commit_buffers(self.ctx.buffers, n, caches[n])
 
     def _check_out(self, out):
         """``out`` of :meth:`loss_and_grad` must be a ParamDict laid out like model.params."""
@@ -695,6 +834,9 @@ class LayerParallel:
         N = m.n_layers
         timings = {"steps": 0.0, "vector": 0.0, "halo_wait": 0.0, "recv_wait": 0.0,
                    "halo_total": 0.0, "allreduce": 0.0, "staging": 0.0}
+        sync = self.ctx.replicas
+        if sync is not None:
+            sync.seconds = 0.0
 
         def add(res):
             for k in timings:
@@ -727,8 +869,15 @@ class LayerParallel:
         t0 = time.perf_counter()
         template = U[lo] if len(owned) else U[N]
         # sigma' of layer n in row n - lo
-        derivs = self._reused("derivs", (len(owned),) + template.shape, template.dtype)
-        if stacked:
+        derivs = None
+        if m.step.fused:
+            derivs = self._reused("derivs", (len(owned),) + template.shape, template.dtype)
+        if not m.step.fused:  # composed: a cache per layer, at the final forward states
+            D = [None] * N
+            for n in owned:
+                D[n] = m.step.linearize(steps, n, U[n], bk, self.ctx)
+            self._commit_buffers(owned, D)
+        elif stacked:
             Uf, a_f = res.store  # state n in slot n - a_f + 1
             m.step.deriv_stacked(W, b, Uf, lo - a_f + 1, len(owned), lo, derivs, bk)
             D = _Rows(derivs, lo)
@@ -784,18 +933,22 @@ class LayerParallel:
             groups = (rest,)
         else:
             groups = (ready, rest)
+        G = {k.split(".", 1)[1]: v for k, v in grads.items() if k.startswith("steps.")}
         for group in groups:
             if group is rest:
                 t1 = time.perf_counter()
                 finish()
                 t0 += time.perf_counter() - t1  # the wait is halo time, not step time
-            if len(group):
+            if len(group) and m.step.fused:
                 m.step.vjp_params_batched([U[n] for n in group], m.h,
                                           [lam[n + 1] for n in group], [D[n] for n in group],
                                           list(group), gW, gb, bk)
+            for n in (group if not m.step.fused else ()):
+                m.step.vjp_params_layer(steps, n, U[n], D[n], lam[n + 1],
+                                        m.dtype.type(m.h), bk, self.ctx, G)
         timings["steps"] += time.perf_counter() - t0
         finish()
-        buckets.start("steps.weight", "steps.bias", lo, hi)
+        buckets.start_rows([f"steps.{k}" for k in G], lo, hi)
         if lay.first:
             _, go = m.opening.vjp(m.group("opening"), x, d_open, lam[0], bk)
             for k, v in go.items():
@@ -806,6 +959,8 @@ class LayerParallel:
         loss = loss_part if lay.comm is None else lay.comm.allreduce(loss_part)
         timings["allreduce"] += time.perf_counter() - t0 + self._replica_seconds
         timings["total"] = time.perf_counter() - t_start
+        if sync is not None:  # inside "steps": the BN statistics' allgathers
+            timings["bn_sync"] = sync.seconds
         timings["other"] = timings["total"] - timings["steps"] - timings["vector"] \
             - timings["halo_wait"] - timings["allreduce"] - timings["staging"]
         stats["timings"] = timings
@@ -909,6 +1064,21 @@ class LayerParallel:
         lay = self.layout
         if lay.layer_comm is not None and lay.layer_size > 1:
             _allreduce_staged(lay.layer_comm, out.flat)
+        return out
+
+    def gather_buffers(self):
+        """The model's buffers (running statistics) as held by their layers' owners in replica
+        0, on every rank: a new 1-D array laid out like ``model.buffers.flat``."""
+        buf = self.model.buffers
+        xp, lay = self.xp, self.layout
+        lo, hi = self.layers.start, self.layers.stop
+        out = xp.zeros_like(buf.flat)
+        if lay.replica == 0:
+            for k in buf:
+                out[buf.offsets[k]:buf.offsets[k] + buf[k].size].reshape(buf[k].shape)[lo:hi] \
+                    = buf[k][lo:hi]
+        if lay.comm is not None and lay.size > 1:
+            _allreduce_staged(lay.comm, out)
         return out
 
     def gather_params(self, flat=None):
@@ -1030,6 +1200,24 @@ def _allreduce_staged(comm, buf, polled=False):
     buf[...] = cupy.asarray(host)
 
 
+class _ReplicaGather:
+    """The data-parallel hook of synchronised batch norm (``StepContext.replicas``): allgather
+    of small host vectors over the replicas, in replica order, identical on every replica.
+    ``seconds`` accumulates the time spent in it (reported as the ``bn_sync`` timing)."""
+
+    def __init__(self, comm):
+        self.comm, self.seconds = comm, 0.0
+
+    def allgather(self, a):
+        """(D, a.size) float64: row r is replica r's ``a``."""
+        a = np.ascontiguousarray(a, dtype=np.float64).reshape(-1)
+        out = np.empty((self.comm.Get_size(), a.size))
+        t0 = time.perf_counter()
+        self.comm.Allgather(a, out)
+        self.seconds += time.perf_counter() - t0
+        return out
+
+
 class _Buckets:
     """Gradient buckets summed over the data replicas with nonblocking Allreduce, each started as
     soon as its gradients are final (closing before the adjoint solve, steps, then opening).
@@ -1044,18 +1232,20 @@ class _Buckets:
         self.grads, self.requests, self.staged = grads, [], []
         self.device = is_device_array(grads.flat)
 
-    def start(self, first, last, lo=None, hi=None):
-        """Start summing parameters ``first``..``last`` (adjacent in the flat buffer), or rows
-        lo..hi of each of the two when given."""
-        if self.comm is None:
-            return
-        from mpi4py import MPI
-        g = self.grads
-        if lo is None:
+    def start(self, first, last):
+        """Start summing parameters ``first``..``last`` (adjacent in the flat buffer)."""
+        if self.comm is not None:
+            g = self.grads
             a = g.offsets[first]
-            slices = [g.flat[a:g.offsets[last] + g[last].size]]
-        else:
-            slices = [g.flat_slice(first, lo, hi), g.flat_slice(last, lo, hi)]
+            self._start([g.flat[a:g.offsets[last] + g[last].size]])
+
+    def start_rows(self, names, lo, hi):
+        """Start summing rows lo..hi of each parameter in ``names``."""
+        if self.comm is not None:
+            self._start([self.grads.flat_slice(k, lo, hi) for k in names])
+
+    def _start(self, slices):
+        from mpi4py import MPI
         for sl in slices:
             if not sl.size:
                 continue

@@ -66,7 +66,7 @@ def check_checkpoint_path(path):
 
 
 def save_checkpoint(path, model, optimizer, epoch, step, rng, meta=None, params=None,
-                    optim_state=None, warm=None):
+                    optim_state=None, warm=None, buffers=None):
     """Write parameters, optimizer state, epoch/step and the shuffling RNG state to ``path`` (.npz).
 
     The file is written to ``.<name>.tmp`` in the same folder (the file mode follows the umask)
@@ -74,13 +74,18 @@ def save_checkpoint(path, model, optimizer, epoch, step, rng, meta=None, params=
     of a killed writer is reused by the next save. ``params`` / ``optim_state`` replace the
     model's and optimizer's own (a distributed run passes the gathered ones), so a checkpoint
     never depends on the number of ranks that wrote it. ``warm``: the warm-start states
-    (:func:`warm_states`) or None.
+    (:func:`warm_states`) or None. The model's buffers (batch norm's running statistics;
+    ``buffers``: a gathered flat copy) and its training-step counter (dropout masks) are saved.
     """
     params = model.params if params is None else params
     optim_state = optimizer.state_dict() if optim_state is None else optim_state
     arrays = {f"params/{k}": to_host(v) for k, v in params.items()}
     arrays.update({f"optim/{k}": to_host(v) for k, v in optim_state.items()})
+    flat = to_host(model.buffers.flat if buffers is None else buffers)
+    arrays.update({f"buffers/{k}": flat[model.buffers.offsets[k]:][:v.size].reshape(v.shape)
+                   for k, v in model.buffers.items()})
     header = {"epoch": int(epoch), "step": int(step), "model_config": model.config,
+              "train_steps": int(model.train_steps),
               "optimizer": type(optimizer).__name__, "rng_state": rng.bit_generator.state,
               "meta": meta or {}}
     if warm is not None:
@@ -126,6 +131,7 @@ def load_checkpoint(path):
             header = json.loads(bytes(z["header"]).decode())
             params = {k[7:]: z[k] for k in z.files if k.startswith("params/")}
             optim = {k[6:]: z[k] for k in z.files if k.startswith("optim/")}
+            buffers = {k[8:]: z[k] for k in z.files if k.startswith("buffers/")}
             warm = {int(k[5:]): z[k] for k in z.files if k.startswith("warm/")}
         wrong = [k for k, t in _HEADER.items() if not isinstance(header.get(k), t)]
         if wrong:
@@ -134,7 +140,8 @@ def load_checkpoint(path):
         why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         raise CheckpointError(f"{bad} (corrupt: {why})") from exc
     warm = {"batch": header["warm_batch"], "states": warm} if "warm_batch" in header else None
-    return {"path": path, "header": header, "params": params, "optim": optim, "warm": warm}
+    return {"path": path, "header": header, "params": params, "optim": optim, "warm": warm,
+            "buffers": buffers}
 
 
 def restore(ckpt, model, optimizer, rng):
@@ -149,6 +156,12 @@ def restore(ckpt, model, optimizer, rng):
     for k, v in model.params.items():
         if k not in ckpt["params"] or ckpt["params"][k].shape != v.shape:
             raise CheckpointError(f"checkpoint parameter {k!r} missing or of the wrong shape")
+    saved = ckpt.get("buffers") or {}
+    if set(saved) != set(model.buffers) or any(saved[k].shape != v.shape
+                                               for k, v in model.buffers.items()):
+        raise CheckpointError(f"{where}: checkpoint buffers "
+                              f"{ {k: tuple(v.shape) for k, v in saved.items()} } do not match "
+                              f"the model's { {k: tuple(v.shape) for k, v in model.buffers.items()} }")
     try:
         optimizer.load_state_dict(ckpt["optim"])
         rng.bit_generator.state = h["rng_state"]
@@ -157,6 +170,9 @@ def restore(ckpt, model, optimizer, rng):
                               f"({type(exc).__name__}: {exc})") from exc
     for k, v in model.params.items():
         v[...] = model.params.xp.asarray(ckpt["params"][k])
+    for k, v in model.buffers.items():
+        v[...] = model.buffers.xp.asarray(saved[k])
+    model.train_steps = int(h.get("train_steps", 0))
     return h["epoch"], h["step"]
 
 
@@ -274,17 +290,19 @@ def distributed_checkpoint(path, lp, optimizer, epoch, step, rng, meta=None):
     owners; the first rank writes the checkpoint (atomically); every rank returns once it is on
     disk. A failed write raises :class:`CheckpointError` naming the file on every rank."""
     warm = warm_states(lp)
-    params, state = None, None
+    params, state, buffers = None, None, None
     if lp.distributed:
         params = lp.model.params.zeros_like()
         params.flat[:] = lp.gather_params()
+        buffers = lp.gather_buffers()
         n = params.flat.size
         state = {k: (lp.gather_params(v) if getattr(v, "shape", None) == (n,) else v)
                  for k, v in optimizer.state_dict().items()}
     err = None
     if lp.layout.rank == 0:
         try:
-            save_checkpoint(path, lp.model, optimizer, epoch, step, rng, meta, params, state, warm)
+            save_checkpoint(path, lp.model, optimizer, epoch, step, rng, meta, params, state, warm,
+                            buffers)
         except (OSError, ValueError, TypeError) as exc:
             err = CheckpointError(f"cannot write checkpoint {path}: {_why(exc)}")
     _agree(lp, err)  # also the barrier: every rank returns once the file is on disk
@@ -359,6 +377,8 @@ def fit(lp, optimizer, x_train, y_train, x_test, y_test, *, epochs, batch_size, 
         train_s = time.perf_counter() - t0
         if lp.distributed:  # every rank holds the current model again (others' layers included)
             lp.model.params.flat[:] = lp.gather_params()
+            if len(lp.model.buffers):
+                lp.model.buffers.flat[:] = lp.gather_buffers()
         acc = evaluate(lp, x_test, y_test)
         rec = {"epoch": epoch + 1, "loss": total / len(idx), "test_accuracy": acc,
                "seconds": time.perf_counter() - t0, "ms_per_batch": 1e3 * train_s / len(idx)}

@@ -129,3 +129,41 @@ def test_cli_bad_mgrit_options(capsys):
     assert "'a,b'" in capsys.readouterr().err
     assert main(_cli("--levels", "3", "--cf", "8", "--layers", "4")) == 2
     assert "n_steps=4" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("model", ["dense", "conv"])
+def test_batch_norm_dropout_resume_equals_uninterrupted_run(tmp_path, model):
+    """Running statistics and the dropout step counter are checkpointed: resume is bit-exact."""
+    opts = ("--batch-norm", "--dropout", "0.2", "--model", model, "--levels", "2", "--cf", "2",
+            "--layers", "4", "--batch-size", "32")
+    full, part, resumed = (str(tmp_path / f) for f in ("full.npz", "part.npz", "res.npz"))
+    assert main(_cli("--epochs", "2", "--checkpoint", full, *opts)) == 0
+    assert main(_cli("--epochs", "1", "--checkpoint", part, *opts)) == 0
+    assert main(_cli("--epochs", "2", "--resume", part, "--checkpoint", resumed, *opts)) == 0
+    a, b, p = load_checkpoint(full), load_checkpoint(resumed), load_checkpoint(part)
+    assert sorted(a["buffers"]) == ["steps.running_mean", "steps.running_var"]
+    assert a["header"]["train_steps"] == b["header"]["train_steps"] == \
+        2 * p["header"]["train_steps"] > 0
+    for k in a["params"]:
+        np.testing.assert_array_equal(b["params"][k], a["params"][k], err_msg=k)
+    for k in a["buffers"]:
+        np.testing.assert_array_equal(b["buffers"][k], a["buffers"][k], err_msg=k)
+        assert not np.array_equal(p["buffers"][k], a["buffers"][k])  # updated in epoch 2
+
+
+def test_checkpoint_buffers_must_match_the_model(tmp_path):
+    bn = mgnn.dense_resnet(4, 4, 3, 2, seed=0, batch_norm=True)
+    opt = mgnn.Adam(bn.params.flat, lr=0.1)
+    rng = np.random.default_rng(0)
+    path = tmp_path / "bn.npz"
+    save_checkpoint(path, bn, opt, 1, 5, rng)
+    ck = load_checkpoint(path)
+    ck["buffers"]["steps.running_var"] = ck["buffers"]["steps.running_var"][:1]
+    with pytest.raises(CheckpointError, match="checkpoint buffers"):
+        restore(ck, bn, opt, rng)
+    del ck["buffers"]["steps.running_var"]
+    with pytest.raises(CheckpointError, match="checkpoint buffers"):
+        restore(ck, bn, opt, rng)
+    ck = load_checkpoint(path)
+    ck["header"]["train_steps"] = 7
+    assert restore(ck, bn, opt, rng) == (1, 5) and bn.train_steps == 7

@@ -22,6 +22,46 @@ class _StepKind:
         self.activation = activation
         self.act = activation_code(activation)
 
+    fused = True  # the stacked / batched kernels exist (mgnn.blocks.composed.ComposedStep: no)
+
+    # layer-indexed protocol (every step kind; mgnn.blocks.composed documents it): P holds every
+    # layer's parameters by name (leading axis N), ctx is a StepContext (unused here)
+    def forward_layer(self, P, n, u, h, bk, ctx=None):
+        """u + h F(u; layer n of P)."""
+        return self.forward(P["weight"][n], P["bias"][n], u, h, bk)
+
+    def forward_linearize(self, P, n, u, h, bk, ctx=None):
+        """(u + h F(u; layer n), its linearisation cache: sigma'(z))."""
+        return self.forward_deriv(P["weight"][n], P["bias"][n], u, h, bk)
+
+    def linearize(self, P, n, u, bk, ctx=None):
+        """sigma'(z) of layer n at u: what the vjps need (independent of h)."""
+        return self.deriv(P["weight"][n], P["bias"][n], u, bk)
+
+    def vjp_state_layer(self, P, n, cache, lam, h, bk, ctx=None):
+        """lam + h J_n(u)^T lam from the cache of :meth:`linearize` at u."""
+        return self.vjp_state(P["weight"][n], None, None, h, lam, bk, deriv=cache)
+
+    def vjp_layer(self, P, n, u, cache, lam, h, bk, ctx, G):
+        """The state vjp (returned) and, in place, G[name][n] = h (dF_n/dtheta)^T lam."""
+        lam, G["weight"][n], G["bias"][n] = self.vjp(P["weight"][n], None, u, h, lam, bk,
+                                                     deriv=cache)
+        return lam
+
+    def vjp_params_layer(self, P, n, u, cache, lam, h, bk, ctx, G):
+        """In place: G[name][n] = h (dF_n/dtheta)^T lam (no state vjp)."""
+        G["weight"][n], G["bias"][n] = self.vjp_params(u, h, lam, cache, bk)
+
+    def commit_buffers(self, buffers, n, cache):
+        """No buffers: nothing to update."""
+
+    def buffer_shapes(self):
+        """No buffers."""
+        return {}
+
+    def check_batch(self, batch, layer=0):
+        """Any batch works."""
+
     def forward(self, W, b, u, h, bk):
         """u + h F(u; W, b), same shape and dtype as u; ``h`` a scalar of u's dtype."""
         return getattr(bk, self._fwd)(u, W, b, h, self.act, True)

@@ -348,5 +348,58 @@ def case_pipeline():
         print(json.dumps({"case": "pipeline", "ranks": SIZE, "checked": checked}))
 
 
+def _composed_nets():
+    """(name, factory) of networks with batch norm and/or dropout (composed steps)."""
+    import mgnn
+    return [
+        ("dense bn", lambda: mgnn.dense_resnet(5, 4, 3, 12, seed=2, batch_norm=True), (5,)),
+        ("conv bn", lambda: mgnn.conv_resnet(1, 2, (4, 4), 3, 9, seed=2, batch_norm=True),
+         (1, 4, 4)),
+        ("conv bn dropout", lambda: mgnn.conv_resnet(1, 2, (4, 4), 3, 9, seed=2,
+                                                     batch_norm=True, dropout=0.3), (1, 4, 4)),
+        ("dense dropout", lambda: mgnn.dense_resnet(5, 4, 3, 12, seed=2, dropout=0.5), (5,)),
+    ]
+
+
+def case_composed():
+    """Batch norm (sync_bn) and dropout: layer ranks x data replicas = SIZE equal one process
+    on the whole batch (two training steps, a full and a ragged batch: uneven shards, a shard of
+    one sample), running statistics included."""
+    import mgnn
+    data_ranks = int(sys.argv[2])
+    rng = np.random.default_rng(5)
+    ragged = max(3, data_ranks + 1)  # uneven shards, one of a single sample
+    checked = 0
+    fixed = (MGRITOptions(cf=2, max_levels=3, tol=0.0, max_iter=2, skip_downcycle=True),
+             MGRITOptions(cf=2, max_levels=3, tol=0.0, max_iter=1))
+    for name, make, shape in _composed_nets():
+        batches = [(rng.standard_normal((8,) + shape), rng.integers(0, 3, 8)),
+                   (rng.standard_normal((ragged,) + shape), rng.integers(0, 3, ragged))]
+        for fwd, bwd in (fixed, (None, None)):
+            one, many = make(), make()
+            single = mgnn.LayerParallel(one, fwd=fwd, bwd=bwd, backend="numba")
+            lp = mgnn.LayerParallel(many, fwd=fwd, bwd=bwd, comm=COMM, data_ranks=data_ranks,
+                                    backend="numba", sync_bn=True)
+            for step, (x, y) in enumerate(batches):
+                loss1, g1 = single.loss_and_grad(x, y)
+                shard = np.array_split(np.arange(len(y)), data_ranks)[lp.replica]
+                loss, g = lp.loss_and_grad(x[shard], y[shard])
+                full = lp.gather(g)
+                what = f"{name} {'mgrit' if fwd else 'layer-wise'} step {step}"
+                _close(loss, loss1, 1e-12, f"{what} loss")
+                for k in g1:
+                    _close(full[k], g1[k], 1e-11, f"{what} grad {k}")
+                if len(one.buffers):
+                    _close(lp.gather_buffers(), one.buffers.flat, 1e-12, f"{what} buffers")
+                one.params.flat[:] -= 0.1 * g1.flat  # the same update: step 2 sees new weights
+                many.params.flat[:] -= 0.1 * full.flat
+                checked += 1
+            if not np.array_equal(lp.predict(batches[0][0]), single.predict(batches[0][0])):
+                raise AssertionError(f"rank {RANK}: {name} eval-mode predictions differ")
+    if RANK == 0:
+        print(json.dumps({"case": "composed", "ranks": SIZE, "data_ranks": data_ranks,
+                          "checked": checked}))
+
+
 if __name__ == "__main__":
     globals()[f"case_{sys.argv[1]}"]()

@@ -63,6 +63,12 @@ def test_distributed_network_equals_single_process(ranks, data_ranks):
     assert out["checked"] == 14  # 2 nets x (3 MGRIT settings x 2 coarsest solves + layer-wise)
 
 
+@pytest.mark.parametrize("ranks, data_ranks", [(1, 1), (2, 1), (3, 1), (4, 1), (2, 2), (4, 4)])
+def test_batch_norm_and_dropout_distributed_equal_single_process(ranks, data_ranks):
+    out = _json(mpirun(ranks, "-m", "tests.mpi.mpi_cases", "composed", str(data_ranks)))
+    assert out["checked"] == 16  # 4 nets x (MGRIT, layer-wise) x 2 steps (full, ragged)
+
+
 def test_bad_input_on_one_rank_raises_everywhere():
     out = _json(mpirun(3, "-m", "tests.mpi.mpi_cases", "bad_input", timeout=120))
     assert "rank 2" in out["message"]

@@ -1,0 +1,334 @@
+"""Composed residual functions: F(u) as a short chain of blocks, each with forward + vjp.
+
+A block maps an array ``x`` (channel axis 1: (B, C) or (B, C, H, W)) to ``y`` of the same
+batch, given one layer's parameters ``theta`` (dict of the names in :attr:`params`) and a
+:class:`StepContext`. ``forward`` returns ``(y, cache)``; ``vjp`` maps the cotangent of ``y``
+to the cotangent of ``x`` and, when a gradient dict is passed, writes ``scale`` times the
+parameter gradients into it. Blocks are stateless descriptions; arrays and the backend ``bk``
+(``mgnn.backend``) are passed to every call.
+
+:class:`ComposedStep` chains blocks into a step kind ``u_next = u + h F(u)`` with the
+layer-indexed protocol of :mod:`mgnn.blocks.layers` (``forward_layer``, ``forward_linearize``,
+``vjp_state_layer``, ``vjp_params_layer``, ``commit_buffers``): a layer's function depends on
+its index ``n`` (parameters, dropout mask) and on the context (train/eval, training step,
+global sample offset, replica statistics), never on how often or where it is evaluated.
+"""
+import math
+
+import numpy as np
+
+from ..backend import activation_code
+from ..backend.counter_rng import dropout_mask, dropout_threshold
+
+
+class StepContext:
+    """What a layer evaluation may depend on besides the state and the parameters.
+
+    Attributes
+    ----------
+    training : bool
+        Train mode (batch statistics, dropout) or eval mode (running statistics, no dropout).
+    step : int
+        Training step t (counter of the dropout masks).
+    sample0 : int
+        Global index of this replica's first sample (dropout masks follow the global sample).
+    seed : int
+        Seed of the dropout masks (0 <= seed < 2**64).
+    buffers : dict or None
+        Every layer's buffers by name (leading axis N), read in eval mode (running statistics).
+    replicas : object or None
+        Data-parallel statistics hook (synchronised batch norm): ``allgather(a)`` returns the
+        (D, ...) host stack of ``a`` (1-D host array) over the replicas, in replica order, on
+        every replica. None: statistics of this replica's batch.
+    """
+
+    def __init__(self, training=True, step=0, sample0=0, seed=0, buffers=None, replicas=None):
+        self.training, self.step, self.sample0 = training, step, sample0
+        self.seed, self.buffers, self.replicas = seed, buffers, replicas
+
+    def mask(self, bk, layer, shape, dtype, threshold):
+        """Dropout keep mask of ``layer`` for a batch shaped ``shape`` (B, ...), as 0/1 of
+        ``dtype``: a pure function of (seed, step, layer, global sample, element)."""
+        B, E = shape[0], int(np.prod(shape[1:]))
+        fast = getattr(bk, "dropout_mask", None)
+        if callable(fast):
+            m = fast(self.seed, self.step, layer, self.sample0, B, E, threshold)
+        else:
+            m = dropout_mask(self.seed, self.step, layer, self.sample0, B, E, threshold,
+                             xp=getattr(bk, "xp", np))
+        return m.reshape(shape).astype(dtype)
+
+
+def _xp(a):
+    """NumPy or CuPy, whichever holds ``a``."""
+    return np if isinstance(a, np.ndarray) else __import__("cupy")
+
+
+def _channel_axes(x):
+    return (0,) + tuple(range(2, x.ndim))
+
+
+def _per_channel(v, x):
+    """(C,) -> broadcastable against x (B, C, ...)."""
+    return v.reshape((1, -1) + (1,) * (x.ndim - 2))
+
+
+class Affine:
+    """``y = x W^T + b`` (dense, x (B, w)) or ``conv3x3(x, K) + b`` (x (B, C, H, W), padding 1),
+    through the backend's dense / conv kernels with the identity activation."""
+
+    params = ("weight", "bias")
+
+    def __init__(self, conv):
+        self.conv = bool(conv)
+        self._k = "conv" if self.conv else "dense"
+
+    def forward(self, theta, x, n, ctx, bk):
+        one = x.dtype.type(1)
+        y = getattr(bk, self._k + "_forward")(x, theta["weight"], theta["bias"], one,
+                                              activation_code("identity"), False)
+        return y, x
+
+    def vjp(self, theta, cache, gy, n, ctx, bk, grads=None, scale=1.0):
+        x = cache
+        ones = _xp(gy).ones_like(gy)
+        one = x.dtype.type(1)
+        if grads is None:
+            return getattr(bk, self._k + "_vjp_input")(gy, ones, theta["weight"], one, False)
+        gx, gW, gb = getattr(bk, self._k + "_vjp")(gy, ones, x, theta["weight"], one, False)
+        grads["weight"][...] = scale * gW
+        grads["bias"][...] = scale * gb
+        return gx
+
+
+class BatchNorm:
+    """PyTorch's BatchNorm1d/2d per channel: ``y = gamma (x - mean) / sqrt(var + eps) + beta``.
+
+    Train mode: mean and biased variance of the batch at hand (over the replicas when the
+    context has a replica hook); eval mode: the running statistics. Parameters ``bn_weight``
+    (gamma), ``bn_bias`` (beta); buffers ``running_mean``, ``running_var`` (updated only by
+    :meth:`commit`, with the unbiased variance and ``momentum``).
+    """
+
+    params = ("bn_weight", "bn_bias")
+    buffers = ("running_mean", "running_var")
+
+    def __init__(self, channels, eps=1e-5, momentum=0.1):
+        self.channels = int(channels)
+        if not (isinstance(eps, (int, float)) and eps > 0 and math.isfinite(eps)):
+            raise ValueError(f"batch norm eps must be a positive number, got {eps!r}")
+        if not (isinstance(momentum, (int, float)) and 0 <= momentum <= 1):
+            raise ValueError(f"batch norm momentum must be in [0, 1], got {momentum!r}")
+        self.eps, self.momentum = float(eps), float(momentum)
+
+    def batch_statistics(self, x, ctx):
+        """(count, mean (C,), biased var (C,)) of x over every axis but 1 (and the replicas)."""
+        xp = _xp(x)
+        axes = _channel_axes(x)
+        count = x.size // x.shape[1]
+        mean = x.mean(axis=axes)
+        m2 = ((x - _per_channel(mean, x)) ** 2).sum(axis=axes)
+        if ctx.replicas is not None:  # Chan et al.'s merge of (count, mean, M2), replica order
+            rows = ctx.replicas.allgather(np.concatenate(
+                [[count], _host(mean), _host(m2)]).astype(np.float64))
+            C = x.shape[1]
+            n_r, mean_r, m2_r = rows[:, 0], rows[:, 1:1 + C], rows[:, 1 + C:]
+            count = int(round(n_r.sum()))
+            mean_g = (n_r[:, None] * mean_r).sum(axis=0) / count
+            m2_g = m2_r.sum(axis=0) + (n_r[:, None] * (mean_r - mean_g) ** 2).sum(axis=0)
+            mean, m2 = xp.asarray(mean_g, dtype=x.dtype), xp.asarray(m2_g, dtype=x.dtype)
+        return count, mean, m2 / count
+
+    def forward(self, theta, x, n, ctx, bk):
+        gamma, beta = theta["bn_weight"], theta["bn_bias"]
+        if ctx.training:
+            count, mean, var = self.batch_statistics(x, ctx)
+        else:
+            count, mean, var = 0, ctx.buffers["running_mean"][n], ctx.buffers["running_var"][n]
+        invstd = 1.0 / _xp(x).sqrt(var + x.dtype.type(self.eps))
+        xhat = (x - _per_channel(mean, x)) * _per_channel(invstd, x)
+        y = _per_channel(gamma, x) * xhat + _per_channel(beta, x)
+        return y, (xhat, invstd, count, mean, var)
+
+    def vjp(self, theta, cache, gy, n, ctx, bk, grads=None, scale=1.0):
+        xhat, invstd, count, _, _ = cache
+        gamma = theta["bn_weight"]
+        axes = _channel_axes(gy)
+        s1, s2 = gy.sum(axis=axes), (gy * xhat).sum(axis=axes)
+        if grads is not None:
+            grads["bn_weight"][...] = scale * s2
+            grads["bn_bias"][...] = scale * s1
+        gx = gy * _per_channel(gamma * invstd, gy)
+        if not count:  # eval mode: an affine map per channel
+            return gx
+        if ctx.replicas is not None:
+            sums = ctx.replicas.allgather(np.concatenate([_host(s1), _host(s2)]))
+            C = gy.shape[1]
+            xp = _xp(gy)
+            s1, s2 = (xp.asarray(sums[:, :C].sum(axis=0), dtype=gy.dtype),
+                      xp.asarray(sums[:, C:].sum(axis=0), dtype=gy.dtype))
+        return gx - _per_channel(gamma * invstd / count, gy) * (
+            _per_channel(s1, gy) + xhat * _per_channel(s2, gy))
+
+    def commit(self, buffers, n, cache):
+        """Running statistics of layer n from the batch statistics in ``cache`` (train mode)."""
+        _, _, count, mean, var = cache
+        m = self.momentum
+        unbiased = var * (count / max(count - 1, 1))
+        buffers["running_mean"][n] = (1 - m) * buffers["running_mean"][n] + m * mean
+        buffers["running_var"][n] = (1 - m) * buffers["running_var"][n] + m * unbiased
+
+    def check_count(self, count, layer):
+        """ValueError unless a train-mode batch gives more than one value per channel."""
+        if count < 2:
+            raise ValueError(f"batch norm of layer {layer} (steps.bn_weight[{layer}]) needs more "
+                             f"than one value per channel in train mode, got {count} (the "
+                             "variance of one value is undefined); use a larger batch, or "
+                             "model.eval()")
+
+
+def _host(a):
+    return a.get() if hasattr(a, "get") else np.asarray(a)
+
+
+class Activation:
+    """Elementwise ``sigma`` ('tanh', 'relu', 'identity'); the cache is sigma'."""
+
+    params = ()
+
+    def __init__(self, name):
+        activation_code(name)  # validates
+        self.name = name
+
+    def forward(self, theta, x, n, ctx, bk):
+        xp = _xp(x)
+        if self.name == "tanh":
+            y = xp.tanh(x)
+            return y, 1 - y * y
+        if self.name == "relu":
+            pos = x > 0
+            return x * pos, pos.astype(x.dtype)
+        return x, None
+
+    def vjp(self, theta, cache, gy, n, ctx, bk, grads=None, scale=1.0):
+        return gy if cache is None else gy * cache
+
+
+class Dropout:
+    """Inverted dropout with counter-based masks: in train mode ``y = x m / (1 - p)``, m the keep
+    mask of (seed, step, layer, global sample, element) (:meth:`StepContext.mask`); identity
+    in eval mode."""
+
+    params = ()
+
+    def __init__(self, p):
+        self.threshold = dropout_threshold(p)
+        self.p = float(p)
+
+    def forward(self, theta, x, n, ctx, bk):
+        if not ctx.training or self.threshold == 0:
+            return x, None
+        m = ctx.mask(bk, n, x.shape, x.dtype, self.threshold)
+        m *= x.dtype.type(1.0 / (1.0 - self.p))
+        return x * m, m
+
+    def vjp(self, theta, cache, gy, n, ctx, bk, grads=None, scale=1.0):
+        return gy if cache is None else gy * cache
+
+
+class ComposedStep:
+    """Step kind ``u_next = u + h F(u)``, ``F`` = ``blocks`` applied in order.
+
+    Parameters
+    ----------
+    blocks : list of blocks (:class:`Affine`, :class:`BatchNorm`, :class:`Activation`,
+        :class:`Dropout`, or any object with the same methods)
+    state_shape : tuple
+        Shape of one sample's state, e.g. (w,) or (C, H, W); F keeps it.
+    param_shapes : dict
+        name -> shape of one layer's parameters (every block's ``params``).
+    """
+
+    fused = False  # no stacked / batched kernels: the propagators use the layer-indexed protocol
+
+    def __init__(self, blocks, state_shape, param_shapes, buffer_shapes=None):
+        self.blocks = list(blocks)
+        self.sample_shape = tuple(state_shape)
+        self._param_shapes = dict(param_shapes)
+        self._buffer_shapes = dict(buffer_shapes or {})
+        names = [p for blk in self.blocks for p in blk.params]
+        if sorted(names) != sorted(self._param_shapes):
+            raise ValueError(f"blocks use parameters {names}, shapes given for "
+                             f"{sorted(self._param_shapes)}")
+
+    def param_shapes(self):
+        """One layer's parameter shapes: {'weight': ..., 'bias': ..., 'bn_weight': (C,), ...}."""
+        return dict(self._param_shapes)
+
+    def buffer_shapes(self):
+        """One layer's buffer shapes ({'running_mean': (C,), 'running_var': (C,)} with BN)."""
+        return dict(self._buffer_shapes)
+
+    def state_shape(self, batch):
+        """(B,) + the sample shape."""
+        return (batch,) + self.sample_shape
+
+    def check_batch(self, batch, layer=0):
+        """ValueError if a train-mode batch of ``batch`` samples (the statistics' batch: the
+        global one with synchronised BN) cannot be normalised."""
+        per_sample = int(np.prod(self.sample_shape[1:]))
+        for blk in self.blocks:
+            if callable(getattr(blk, "check_count", None)):
+                blk.check_count(batch * per_sample, layer)
+
+    @staticmethod
+    def _theta(P, n):
+        return {k: v[n] for k, v in P.items()}
+
+    def evaluate(self, P, n, u, bk, ctx):
+        """(F(u) of layer n, per-block caches)."""
+        theta = self._theta(P, n)
+        x, caches = u, []
+        for blk in self.blocks:
+            x, c = blk.forward(theta, x, n, ctx, bk)
+            caches.append(c)
+        return x, caches
+
+    def forward_layer(self, P, n, u, h, bk, ctx):
+        """u + h F(u; layer n)."""
+        return u + h * self.evaluate(P, n, u, bk, ctx)[0]
+
+    def forward_linearize(self, P, n, u, h, bk, ctx):
+        """(u + h F(u; layer n), the linearisation cache for the vjps at u)."""
+        f, caches = self.evaluate(P, n, u, bk, ctx)
+        return u + h * f, caches
+
+    def linearize(self, P, n, u, bk, ctx):
+        """The linearisation cache of layer n at u (what the vjps need; independent of h)."""
+        return self.evaluate(P, n, u, bk, ctx)[1]
+
+    def _back(self, P, n, caches, g, bk, ctx, grads=None, scale=1.0):
+        theta = self._theta(P, n)
+        rows = None if grads is None else {k: v[n] for k, v in grads.items()}
+        for blk, c in zip(reversed(self.blocks), reversed(caches)):
+            g = blk.vjp(theta, c, g, n, ctx, bk, rows, scale)
+        return g
+
+    def vjp_state_layer(self, P, n, cache, lam, h, bk, ctx):
+        """lam + h J_n(u)^T lam from the cache of :meth:`linearize` at u."""
+        return lam + h * self._back(P, n, cache, lam, bk, ctx)
+
+    def vjp_layer(self, P, n, u, cache, lam, h, bk, ctx, G):
+        """The state vjp lam + h J_n^T lam (returned) and, in place, G[name][n] =
+        h (dF_n/dtheta)^T lam for every parameter name (one pass through the blocks)."""
+        return lam + h * self._back(P, n, cache, lam, bk, ctx, G, h)
+
+    def vjp_params_layer(self, P, n, u, cache, lam, h, bk, ctx, G):
+        """In place: G[name][n] = h (dF_n/dtheta)^T lam for every parameter name."""
+        self._back(P, n, cache, lam, bk, ctx, G, h)
+
+    def commit_buffers(self, buffers, n, cache):
+        """Update layer n's buffers (running statistics) from a train-mode cache."""
+        for blk, c in zip(self.blocks, cache):
+            if callable(getattr(blk, "commit", None)) and c is not None:
+                blk.commit(buffers, n, c)
