@@ -433,7 +433,8 @@ def _print_timings(comm, lp, timings, train_s, log):
     other = train_s - sum(timings.get(k, 0.0) for k in phases)
     row = (lp.layout.rank, lp.layout.layer_rank, lp.layout.replica,
            *(timings.get(k, 0.0) for k in phases), other, train_s,
-           lp.threads["blas"], lp.threads["numba"], lp.block_work[lp.layout.layer_rank])
+           lp.threads["blas"], lp.threads["numba"], lp.block_work[lp.layout.layer_rank],
+           timings.get("bn_sync", 0.0))
     rows = [row] if comm is None else comm.gather(row, root=0)
     if rows is None:
         return
@@ -450,6 +451,10 @@ def _print_timings(comm, lp, timings, train_s, log):
             f"{r[7]:9.3f} {r[8]:9.3f} {r[9]:9.3f} {r[10]!s:>8} {r[11]!s:>9} {r[12]:9.0f}")
     log("work/step: modelled layer evaluations per training step of the rank's layer block "
         "(the balanced partition's cost model, docs/design.md)")
+    if "bn_sync" in timings:
+        log("sync_bn: the batch-norm statistics' allgathers over the replicas (inside steps): "
+            + ", ".join(f"rank {r[0]} {r[13]:.3f} s ({100 * r[13] / max(r[9], 1e-12):.1f} %)"
+                        for r in rows))
     log(f"rank 0 {describe_threads(lp.threads)}")
 
 

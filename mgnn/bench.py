@@ -113,6 +113,38 @@ def bench_conv_kernel(channels=8, batch=32, size=28, dtype="float32", seed=0):
             "target": "speed-up over the reference (informational)"}
 
 
+def bench_bn_conv(channels=16, batch=64, size=28, dtype="float32", seed=0, eps=1e-5):
+    """numba conv step with batch norm (conv (identity) -> bn_stats -> bn_act_forward, and back
+    through bn_act_vjp_sums -> bn_act_vjp_input -> conv_vjp) against the plain conv step with
+    tanh (conv_forward_deriv + conv_vjp), forward + vjp each: the ratio is the cost of BN."""
+    dt = np.dtype(dtype)
+    rng = np.random.default_rng(seed)
+    u = rng.standard_normal((batch, channels, size, size)).astype(dt)
+    K = (rng.standard_normal((channels, channels, 3, 3)) / np.sqrt(9 * channels)).astype(dt)
+    b, gamma, beta = (rng.standard_normal(channels).astype(dt) for _ in range(3))
+    lam = rng.standard_normal(u.shape).astype(dt)
+    ones, h, one, M = np.ones_like(u), dt.type(0.1), dt.type(1), batch * size * size
+    bk = get_backend("numba")
+
+    def plain():
+        y, d = bk.conv_forward_deriv(u, K, b, h, 0, True)
+        bk.conv_vjp(lam, d, u, K, h, True)
+
+    def with_bn():
+        z = bk.conv_forward(u, K, b, one, 2, False)
+        mean, m2 = bk.bn_stats(z)
+        invstd = (1 / np.sqrt(m2 / M + eps)).astype(dt)
+        a, xhat, deriv = bk.bn_act_forward(z, mean, invstd, gamma, beta, 0)
+        s1, s2 = bk.bn_act_vjp_sums(lam, deriv, xhat)
+        gz = bk.bn_act_vjp_input(lam, deriv, xhat, invstd, gamma, s1, s2, M)
+        bk.conv_vjp(gz, ones, u, K, one, False)
+
+    t_plain, t_bn = (median_time(f, repeats=5, warmup=1, stat=min) for f in (plain, with_bn))
+    return {"name": f"conv+BN+tanh fwd+vjp numba C={channels} B={batch} {size}x{size} {dt.name}",
+            "time_us": 1e6 * t_bn, "baseline": "conv step tanh, no BN",
+            "baseline_time_us": 1e6 * t_plain, "ratio": t_bn / t_plain, "target": "<= 1.5"}
+
+
 def _blas_threads(n):
     """Context limiting BLAS threads to ``n`` (threadpoolctl), or a no-op if it is missing."""
     try:
@@ -140,6 +172,7 @@ def run_kernels(quick=False):
             bench_layer_overhead(backend="numpy", **LAYER_OVERHEAD)]
     if not quick:
         out.append(bench_conv_kernel())
+        out.append(bench_bn_conv())
     return out
 
 

@@ -17,7 +17,7 @@ from .mgrit import DivergenceError, MGRITOptions, MGRITSolver, hierarchy
 from .mgrit.partition import Partition, balanced_starts, block_work, layer_work
 from .blocks import (ConvOpening, ConvStep, DenseClosing, DenseOpening, DenseStep, PoolClosing,
                      SoftmaxCrossEntropy)
-from .blocks.composed import (Activation, Affine, BatchNorm, ComposedStep, Dropout,
+from .blocks.composed import (Activation, Affine, BatchNormAct, ComposedStep, Dropout,
                               StepContext)
 from .params import ParamDict
 
@@ -153,12 +153,13 @@ def _residual_kind(fused, conv, channels, sample_shape, activation, batch_norm, 
     if not batch_norm and dropout == 0.0:
         return fused
     blocks, shapes, buffers = [Affine(conv)], dict(fused.param_shapes()), {}
-    if batch_norm:
-        blocks.append(BatchNorm(channels, bn_eps, bn_momentum))
+    if batch_norm:  # BN + activation in the fused kernels (the composed pair is the reference)
+        blocks.append(BatchNormAct(channels, activation, bn_eps, bn_momentum))
         shapes.update(bn_weight=(channels,), bn_bias=(channels,))
         buffers.update(running_mean=(channels,), running_var=(channels,))
         config.update(batch_norm=True, bn_eps=float(bn_eps), bn_momentum=float(bn_momentum))
-    blocks.append(Activation(activation))
+    else:
+        blocks.append(Activation(activation))
     if dropout:
         blocks.append(Dropout(dropout))
         config.update(dropout=dropout)

@@ -32,6 +32,10 @@ class PipelineParallel(LayerParallel):
         if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or \
                 micro_batches < 1:
             raise ValueError(f"micro_batches must be an int >= 1, got {micro_batches!r}")
+        if not getattr(getattr(model, "step", None), "fused", True):
+            # micro-batches would change batch-norm statistics: not the same network
+            raise ValueError("the pipeline baseline runs fused step kinds only (no batch norm "
+                             "or dropout: micro-batches would change the batch statistics)")
         super().__init__(model, comm=comm, backend=backend, data_ranks=data_ranks)
         self.micro_batches = micro_batches
 

@@ -43,6 +43,8 @@ BAD = [
     (["--lr", "0"], "--lr must be a finite number > 0.0, got 0.0"),
     (["--lr", "nan"], "--lr must be a finite number > 0.0, got nan"),
     (["--momentum", "1"], "--momentum must be a finite number in [0.0, 1.0), got 1.0"),
+    (["--dropout", "1"], "--dropout must be a finite number in [0.0, 1.0), got 1.0"),
+    (["--dropout", "-0.5"], "--dropout must be a finite number in [0.0, 1.0), got -0.5"),
     (["--weight-decay", "-0.1"], "--weight-decay must be a finite number >= 0.0, got -0.1"),
     (["--t-final", "inf"], "--t-final must be a finite number > 0.0, got inf"),
     (["--fwd-tol", "-1"], "--fwd-tol must be a finite number >= 0.0, got -1.0"),

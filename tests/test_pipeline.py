@@ -30,3 +30,8 @@ def test_pipeline_bad_micro_batches():
     with pytest.raises(ValueError, match="3 micro-batches"):
         PipelineParallel(model, micro_batches=3).loss_and_grad(np.ones((2, 5)),
                                                                np.zeros(2, np.int64))
+
+
+def test_pipeline_rejects_composed_steps():
+    with pytest.raises(ValueError, match="fused step kinds only"):
+        PipelineParallel(mgnn.dense_resnet(3, 2, 3, 4, batch_norm=True))

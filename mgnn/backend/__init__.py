@@ -36,6 +36,12 @@ STACKED_KERNELS = ("dense_chains_forward", "dense_points_forward", "dense_chains
 STACKED_GRAD_KERNELS = ("dense_deriv_stacked", "dense_vjp_params_stacked", "conv_deriv_stacked",
                         "conv_vjp_params_stacked")
 
+#: Optional dropout-mask kernel (counter-based Philox; contract in :mod:`mgnn.backend.numpy_ref`).
+RNG_KERNELS = ("dropout_mask",)
+#: Optional batch-norm + activation kernels (the fused BN -> sigma path of a block; contract in
+#: :mod:`mgnn.backend.numpy_ref`); a backend that has them sets nothing else.
+BN_KERNELS = ("bn_stats", "bn_act_forward", "bn_act_vjp_sums", "bn_act_vjp_input")
+
 _MODULES = {"numpy": "numpy_ref", "numba": "numba_cpu"}
 GPU_BACKENDS = ("cuda", "cuda-emulated")
 _ALL = tuple(_MODULES) + GPU_BACKENDS

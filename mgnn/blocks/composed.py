@@ -123,21 +123,37 @@ class BatchNorm:
 
     def batch_statistics(self, x, ctx):
         """(count, mean (C,), biased var (C,)) of x over every axis but 1 (and the replicas)."""
-        xp = _xp(x)
         axes = _channel_axes(x)
-        count = x.size // x.shape[1]
         mean = x.mean(axis=axes)
         m2 = ((x - _per_channel(mean, x)) ** 2).sum(axis=axes)
-        if ctx.replicas is not None:  # Chan et al.'s merge of (count, mean, M2), replica order
+        return self._merged(x, mean, m2, ctx)
+
+    @staticmethod
+    def _merged(x, mean, m2, ctx):
+        """(count, mean, biased var) from this replica's per-channel mean and M2 (sum of squared
+        deviations): merged over the replicas (Chan et al., in replica order) if ``ctx`` has
+        them."""
+        count = x.size // x.shape[1]
+        if ctx.replicas is not None:
             rows = ctx.replicas.allgather(np.concatenate(
                 [[count], _host(mean), _host(m2)]).astype(np.float64))
-            C = x.shape[1]
+            C, xp = x.shape[1], _xp(x)
             n_r, mean_r, m2_r = rows[:, 0], rows[:, 1:1 + C], rows[:, 1 + C:]
             count = int(round(n_r.sum()))
             mean_g = (n_r[:, None] * mean_r).sum(axis=0) / count
             m2_g = m2_r.sum(axis=0) + (n_r[:, None] * (mean_r - mean_g) ** 2).sum(axis=0)
             mean, m2 = xp.asarray(mean_g, dtype=x.dtype), xp.asarray(m2_g, dtype=x.dtype)
         return count, mean, m2 / count
+
+    @staticmethod
+    def _summed(s1, s2, ctx):
+        """Per-channel sums (C,) summed over the replicas (replica order) if ``ctx`` has them."""
+        if ctx.replicas is None:
+            return s1, s2
+        sums = ctx.replicas.allgather(np.concatenate([_host(s1), _host(s2)]))
+        C, xp = s1.shape[0], _xp(s1)
+        return (xp.asarray(sums[:, :C].sum(axis=0), dtype=s1.dtype),
+                xp.asarray(sums[:, C:].sum(axis=0), dtype=s1.dtype))
 
     def forward(self, theta, x, n, ctx, bk):
         gamma, beta = theta["bn_weight"], theta["bn_bias"]
@@ -161,12 +177,7 @@ class BatchNorm:
         gx = gy * _per_channel(gamma * invstd, gy)
         if not count:  # eval mode: an affine map per channel
             return gx
-        if ctx.replicas is not None:
-            sums = ctx.replicas.allgather(np.concatenate([_host(s1), _host(s2)]))
-            C = gy.shape[1]
-            xp = _xp(gy)
-            s1, s2 = (xp.asarray(sums[:, :C].sum(axis=0), dtype=gy.dtype),
-                      xp.asarray(sums[:, C:].sum(axis=0), dtype=gy.dtype))
+        s1, s2 = self._summed(s1, s2, ctx)
         return gx - _per_channel(gamma * invstd / count, gy) * (
             _per_channel(s1, gy) + xhat * _per_channel(s2, gy))
 
@@ -185,6 +196,56 @@ class BatchNorm:
                              f"than one value per channel in train mode, got {count} (the "
                              "variance of one value is undefined); use a larger batch, or "
                              "model.eval()")
+
+
+class BatchNormAct(BatchNorm):
+    """:class:`BatchNorm` followed by :class:`Activation` in the backend's fused kernels
+    (``mgnn.backend.BN_KERNELS``: one pass for the statistics, one for normalise + affine +
+    activation, two for the vjp); same results as the two blocks composed, which remain the
+    reference (and the path on a backend without the kernels)."""
+
+    def __init__(self, channels, activation, eps=1e-5, momentum=0.1):
+        super().__init__(channels, eps, momentum)
+        self.activation = Activation(activation)
+        self.act = activation_code(activation)
+
+    def forward(self, theta, x, n, ctx, bk):
+        if not _has_bn_kernels(bk):
+            y, c_bn = BatchNorm.forward(self, theta, x, n, ctx, bk)
+            a, c_act = self.activation.forward(theta, y, n, ctx, bk)
+            return a, (c_bn, c_act)
+        if ctx.training:
+            count, mean, var = self._merged(x, *bk.bn_stats(x), ctx)
+        else:
+            count, mean, var = 0, ctx.buffers["running_mean"][n], ctx.buffers["running_var"][n]
+        invstd = 1.0 / _xp(x).sqrt(var + x.dtype.type(self.eps))
+        a, xhat, deriv = bk.bn_act_forward(x, mean, invstd, theta["bn_weight"],
+                                           theta["bn_bias"], self.act)
+        return a, ((xhat, invstd, count, mean, var), deriv)
+
+    def vjp(self, theta, cache, ga, n, ctx, bk, grads=None, scale=1.0):
+        c_bn, c_act = cache
+        if not _has_bn_kernels(bk):
+            gy = self.activation.vjp(theta, c_act, ga, n, ctx, bk)
+            return BatchNorm.vjp(self, theta, c_bn, gy, n, ctx, bk, grads, scale)
+        xhat, invstd, count, _, _ = c_bn
+        gamma = theta["bn_weight"]
+        s1, s2 = bk.bn_act_vjp_sums(ga, c_act, xhat)
+        if grads is not None:
+            grads["bn_weight"][...] = scale * s2
+            grads["bn_bias"][...] = scale * s1
+        if not count:  # eval mode
+            return ga * c_act * _per_channel(gamma * invstd, ga)
+        s1, s2 = self._summed(s1, s2, ctx)
+        return bk.bn_act_vjp_input(ga, c_act, xhat, invstd, gamma, s1, s2, count)
+
+    def commit(self, buffers, n, cache):
+        BatchNorm.commit(self, buffers, n, cache[0])
+
+
+def _has_bn_kernels(bk):
+    from ..backend import BN_KERNELS
+    return all(callable(getattr(bk, k, None)) for k in BN_KERNELS)
 
 
 def _host(a):

@@ -249,3 +249,84 @@ def test_bad_input():
     mgnn.LayerParallel(conv).loss_and_grad(np.ones((1, 1, 3, 3)), np.zeros(1, dtype=np.int64))
     with pytest.raises(TypeError, match="sync_bn"):
         mgnn.LayerParallel(model, sync_bn="yes")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape", [(6, 3), (3, 2, 5, 4)])
+@pytest.mark.parametrize("act", ["tanh", "relu"])
+def test_fused_bn_activation_equals_the_composed_blocks(backend, shape, act):
+    """The fast path (BN + activation in the backend's BN kernels) against the reference
+    composition of the BatchNorm and Activation blocks, forward, vjp, parameter gradients and
+    running statistics, in train and eval mode."""
+    from mgnn.blocks.composed import BatchNormAct
+    rng = np.random.default_rng(9)
+    C = shape[1]
+    bk, ref = get_backend(backend), get_backend("numpy")
+    fused, bn, activation = BatchNormAct(C, act), BatchNorm(C), Activation(act)
+    theta = {"bn_weight": rng.uniform(0.5, 1.5, C), "bn_bias": rng.standard_normal(C)}
+    x, ga = rng.standard_normal(shape) + 1.0, rng.standard_normal(shape)
+    for training in (True, False):
+        bufs = {"running_mean": rng.standard_normal((3, C)),
+                "running_var": rng.uniform(0.5, 2, (3, C))}
+        ctx = StepContext(training=training, buffers=bufs)
+        a, cache = fused.forward(theta, x, 2, ctx, bk)
+        y, c_bn = bn.forward(theta, x, 2, ctx, ref)
+        a_ref, c_act = activation.forward(theta, y, 2, ctx, ref)
+        np.testing.assert_allclose(a, a_ref, rtol=1e-12, atol=1e-14)
+        g_fused = {k: np.zeros(C) for k in theta}
+        g_ref = {k: np.zeros(C) for k in theta}
+        gx = fused.vjp(theta, cache, ga, 2, ctx, bk, g_fused, 0.5)
+        gx_ref = bn.vjp(theta, c_bn, activation.vjp(theta, c_act, ga, 2, ctx, ref), 2, ctx, ref,
+                        g_ref, 0.5)
+        np.testing.assert_allclose(gx, gx_ref, rtol=1e-11, atol=1e-13)
+        for k in theta:
+            np.testing.assert_allclose(g_fused[k], g_ref[k], rtol=1e-12, atol=1e-13)
+        if training:
+            b2 = {k: v.copy() for k, v in bufs.items()}
+            fused.commit(bufs, 2, cache)
+            bn.commit(b2, 2, c_bn)
+            for k in bufs:
+                np.testing.assert_allclose(bufs[k], b2[k], rtol=1e-13)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dropout_masks_identical_on_every_backend(backend):
+    """StepContext.mask goes through the backend's dropout_mask kernel: the same bits as the
+    numpy reference (numba; the CUDA C kernel under host emulation)."""
+    ctx = StepContext(step=2**31 + 5, sample0=3, seed=2**40 + 1)
+    ref = ctx.mask(get_backend("numpy"), 7, (5, 3, 4, 4), np.float32, 2**23)
+    got = ctx.mask(get_backend(backend), 7, (5, 3, 4, 4), np.float32, 2**23)
+    np.testing.assert_array_equal(got, ref)
+    assert 0.3 < ref.mean() < 0.7
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_fused_bn_activation_block_gradcheck(training):
+    from mgnn.blocks.composed import BatchNormAct
+    rng = np.random.default_rng(10)
+    ctx = StepContext(training=training, buffers={"running_mean": rng.standard_normal((1, 3)),
+                                                  "running_var": rng.uniform(0.5, 2, (1, 3))})
+    theta = {"bn_weight": rng.uniform(0.5, 1.5, 3), "bn_bias": rng.standard_normal(3)}
+    assert _block_check(BatchNormAct(3, "tanh"), rng.standard_normal((4, 3, 2, 3)), theta, ctx,
+                        get_backend("numba")).ok
+
+
+def test_sync_bn_without_replicas_is_a_no_op():
+    rng = np.random.default_rng(11)
+    x, y = rng.standard_normal((5, 4)), rng.integers(0, 3, 5)
+    a, b = (mgnn.dense_resnet(4, 3, 3, 4, seed=2, batch_norm=True) for _ in range(2))
+    la, ga = mgnn.LayerParallel(a, sync_bn=True).loss_and_grad(x, y)
+    lb, gb = mgnn.LayerParallel(b).loss_and_grad(x, y)
+    assert la == lb and np.array_equal(ga.flat, gb.flat)
+    np.testing.assert_array_equal(a.buffers.flat, b.buffers.flat)
+
+
+def test_cli_trains_with_batch_norm_and_dropout(capsys):
+    import json
+    from mgnn.__main__ import main
+    assert main(["train", "--data", "synthetic", "--model", "conv", "--channels", "3",
+                 "--layers", "4", "--levels", "2", "--cf", "2", "--epochs", "1",
+                 "--batch-size", "32", "--batch-norm", "--dropout", "0.1", "--sync-bn",
+                 "--no-progress", "--json", "--dtype", "float64"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["test_accuracy"] > 0.2 and np.isfinite(summary["final_loss"])
