@@ -275,3 +275,43 @@ class OtherKernels(_Warm):
         r, _ = self.ops.residual(self.a, self.c, self.e)
         self.ops.fas_rhs(r, self.a, self.c)
         self.ops.correct(self.a, self.c, self.e)
+
+
+class GRUTrainStep(_Warm):
+    """A GRU over sequence time (H=32, B=32): serial (backpropagation through time) against
+    MGRIT over time (2 levels, cf 4, 2 forward / 1 adjoint cycles, implicit coarse GRU)."""
+
+    params = (["serial", "mgrit"], [128] if FAST else [128, 1024])
+    param_names = ["method", "seq_len"]
+
+    def prepare(self, method, seq_len):
+        model = mgnn.gru_classifier(4, 32, 4, seq_len, seed=0, dtype="float32")
+        common = dict(cf=4, max_levels=2, tol=0.0)
+        opts = {} if method == "serial" else dict(fwd=MGRITOptions(max_iter=2, **common),
+                                                  bwd=MGRITOptions(max_iter=1, **common))
+        self.lp = LayerParallel(model, **opts)
+        rng = np.random.default_rng(0)
+        self.x = rng.standard_normal((32, seq_len, 4)).astype(np.float32)
+        self.y = rng.integers(0, 4, 32)
+
+    def time_loss_and_grad(self, method, seq_len):
+        self.lp.loss_and_grad(self.x, self.y)
+
+
+class BatchNormConvStep(_Warm):
+    """A conv ResNet training step (C=8, 16x16, B=32, N=8, float32) with and without batch
+    norm (the ratio is the cost of BN in a composed step)."""
+
+    params = (["plain", "batch_norm"],)
+    param_names = ["kind"]
+
+    def prepare(self, kind):
+        model = mgnn.conv_resnet(1, 8, (16, 16), 10, 8, dtype="float32", seed=0,
+                                 batch_norm=kind == "batch_norm")
+        self.lp = LayerParallel(model)
+        rng = np.random.default_rng(0)
+        self.x = rng.standard_normal((32, 1, 16, 16)).astype(np.float32)
+        self.y = rng.integers(0, 10, 32)
+
+    def time_loss_and_grad(self, kind):
+        self.lp.loss_and_grad(self.x, self.y)

@@ -10,14 +10,16 @@ from .data import load_dataset, load_digits, load_mnist, load_synthetic, read_id
 from .mgrit import (DivergenceError, MGRITOptions, MGRITResult, MGRITSolver,
                     NotConvergedWarning)
 from .errors import CheckpointError, DataFormatError, GradcheckError, MGNNError
-from .network import LayerParallel, Model, conv_resnet, dense_resnet
+from .network import (LayerParallel, Model, conv_resnet, dense_resnet, gru_classifier,
+                      rnn_classifier)
 from .optim import SGD, Adam
 from .params import ParamDict
 from .train import fit, load_checkpoint, save_checkpoint
 
 __version__ = "0.1.0"
 
-__all__ = ["MGRITOptions", "MGRITSolver", "MGRITResult", "dense_resnet", "conv_resnet", "Model", "LayerParallel", "ParamDict",
+__all__ = ["MGRITOptions", "MGRITSolver", "MGRITResult", "dense_resnet", "conv_resnet", "gru_classifier",
+           "rnn_classifier", "Model", "LayerParallel", "ParamDict",
            "SGD", "Adam", "gradcheck", "fit", "save_checkpoint", "load_checkpoint", "read_idx",
            "load_dataset", "load_digits", "load_mnist", "load_synthetic", "MGNNError",
            "GradcheckError", "DataFormatError", "CheckpointError", "DivergenceError",

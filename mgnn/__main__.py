@@ -13,9 +13,19 @@ def _train_parser(sub):
                        description="Train a dense or conv ResNet; prints loss and test accuracy "
                                    "per epoch, the final test accuracy and the time per batch.")
     a = p.add_argument
-    a("--model", choices=["dense", "conv"], default="dense", help="network kind (default dense)")
+    a("--model", choices=["dense", "conv", "gru", "rnn"], default="dense",
+      help="network kind (default dense): residual dense / conv, or recurrent over sequence "
+           "time (gru, rnn: MGRIT runs over the --seq-len time steps)")
     a("--layers", type=int, default=32, help="residual layers N (default 32)")
-    a("--width", type=int, default=64, help="dense state width (default 64)")
+    a("--width", type=int, default=64, help="dense state width; gru/rnn hidden size (default 64)")
+    a("--seq-len", type=int, default=None,
+      help="gru/rnn: time steps L (default: image rows, e.g. 28 for row-sequential MNIST; 512 "
+           "for --data sine); every sample is read as L steps of (pixels / L) features")
+    a("--rnn-layers", type=int, default=1, help="gru/rnn: stacked recurrent layers (default 1)")
+    a("--cell", choices=["gru", "implicit_gru"], default="gru",
+      help="gru: PyTorch's GRU or the implicit GRU cell (default gru)")
+    a("--coarse", choices=["implicit", "rediscretise"], default="implicit",
+      help="gru: coarse MGRIT propagator over time (default implicit; docs/recurrent.md)")
     a("--channels", type=int, default=8, help="conv state channels (default 8)")
     a("--pool", type=int, default=1, help="conv closing: average pool grid p x p (default 1)")
     a("--t-final", type=float, default=1.0, help="T; step size h = T/N (default 1)")
@@ -32,7 +42,7 @@ def _train_parser(sub):
     a("--optimizer", choices=["sgd", "adam"], default="adam")
     a("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
     a("--weight-decay", type=float, default=0.0)
-    a("--data", choices=["digits", "mnist", "synthetic"], default="digits",
+    a("--data", choices=["digits", "mnist", "synthetic", "sine"], default="digits",
       help="data set (default digits, embedded via scikit-learn)")
     a("--data-dir", default=None, help="folder with the MNIST IDX files (or $MGNN_MNIST_DIR)")
     a("--limit-train", type=int, default=None, help="use only the first n training samples")
@@ -123,6 +133,7 @@ class _CLIError(ValueError):
 
 # flag bounds (dest: (least, most)); None: no bound (memory is checked separately)
 _INT_BOUNDS = {"layers": (1, None), "n_layers": (1, None), "width": (1, None),
+               "seq_len": (2, None), "rnn_layers": (1, None),
                "channels": (1, None), "pool": (1, None), "epochs": (1, 10**7),
                "batch_size": (1, None), "batch": (1, None), "limit_train": (1, None),
                "limit_test": (1, None), "seed": (0, 2**63 - 1), "levels": (1, 64),
@@ -171,6 +182,10 @@ def _nrelax(args):
     return nrelax
 
 
+#: --seq-len of a recurrent model when not given: the image rows (row-sequential), or sine's 512
+_DEFAULT_SEQ_LEN = {"mnist": 28, "digits": 8, "synthetic": 8, "sine": 512}
+
+
 def _check_layer_ranks(args, layer_ranks):
     """Every layer rank must own a layer that starts a coarse interval (said in layers/ranks)."""
     align = args.cf if args.levels > 1 else 1
@@ -187,7 +202,10 @@ def _check_memory(args, ds, layer_ranks):
     in this machine's memory (an estimate, per rank), instead of an allocation failure."""
     N, B, K = args.layers, args.batch_size, ds.n_classes
     C, H, W = ds.image_shape
-    if args.model == "dense":
+    if args.model in ("gru", "rnn"):
+        w, k = args.width, args.rnn_layers
+        n_params, state = 3 * (C * H * W + 2 * w * w * k + 2 * w * k) + w * K + K, 8 * w * k
+    elif args.model == "dense":
         w = args.width
         n_params, state = C * H * W * w + w + N * (w * w + w) + w * K + K, w
     else:
@@ -211,7 +229,7 @@ def _check_memory(args, ds, layer_ranks):
 
 # options that change how a resumed run continues: checked against the checkpoint
 _RESUME_KEYS = ("lr", "batch_size", "momentum", "weight_decay", "data", "limit_train", "seed",
-                "warm_start")
+                "warm_start", "sync_bn")
 
 
 def _resume_meta(args, lr):
@@ -316,7 +334,10 @@ def _world(args):
 
 def cmd_train(args, comm=None):
     """Run ``train`` (every rank of ``comm``); returns the summary dict."""
-    from . import LayerParallel, conv_resnet, dense_resnet, load_dataset
+    from functools import partial
+
+    from . import (LayerParallel, conv_resnet, dense_resnet, gru_classifier, load_dataset,
+                   rnn_classifier)
     from .optim import make_optimizer
     from .train import check_checkpoint_path, fit, load_checkpoint, restore, restore_warm_states
 
@@ -331,18 +352,29 @@ def cmd_train(args, comm=None):
     lr = args.lr if args.lr is not None else (0.05 if args.optimizer == "sgd" else 0.003)
     meta = _resume_meta(args, lr)
     layer_ranks = 1 if comm is None else comm.Get_size() // args.data_ranks
+    recurrent = args.model in ("gru", "rnn")
 
     def prepare():  # every input error before any collective or kernel
+        if recurrent:  # MGRIT runs over the time steps
+            args.layers = args.seq_len or _DEFAULT_SEQ_LEN[args.data]
         _check_layer_ranks(args, layer_ranks)
         fwd_bwd = _mgrit_options(args)
         ds = load_dataset(args.data, args.data_dir, seed=args.seed,
-                          limit_train=args.limit_train, limit_test=args.limit_test)
+                          limit_train=args.limit_train, limit_test=args.limit_test,
+                          seq_len=args.layers)
         if len(ds.y_train) < args.data_ranks:
             raise ValueError(f"{len(ds.y_train)} training samples (--limit-train) are fewer than "
                              f"--data-ranks {args.data_ranks}")
         _check_memory(args, ds, layer_ranks)
         C, H, W = ds.image_shape
-        if args.model == "dense":
+        if recurrent:
+            x_size = ds.as_model_input(ds.x_train[:1], args.model, "float64",
+                                       seq_len=args.layers).shape[2]
+            make = (rnn_classifier if args.model == "rnn" else
+                    partial(gru_classifier, cell=args.cell, coarse=args.coarse))
+            model = make(x_size, args.width, ds.n_classes, args.layers,
+                         n_layers=args.rnn_layers, dtype=args.dtype, seed=args.seed)
+        elif args.model == "dense":
             model = dense_resnet(C * H * W, args.width, ds.n_classes, args.layers, args.t_final,
                                  args.activation, args.dtype, args.seed,
                                  batch_norm=args.batch_norm, dropout=args.dropout)
@@ -359,8 +391,8 @@ def cmd_train(args, comm=None):
         return fwd_bwd, ds, model, ckpt
 
     (fwd, bwd), ds, model, ckpt = _agreed(comm, prepare)
-    xtr = ds.as_model_input(ds.x_train, args.model, model.dtype)
-    xte = ds.as_model_input(ds.x_test, args.model, model.dtype)
+    xtr = ds.as_model_input(ds.x_train, args.model, model.dtype, seq_len=args.layers)
+    xte = ds.as_model_input(ds.x_test, args.model, model.dtype, seq_len=args.layers)
     if args.backend == "cuda" and comm is not None:
         from .backend import gpu_available
         if gpu_available():  # else LayerParallel reports the missing GPU on every rank
@@ -379,7 +411,8 @@ def cmd_train(args, comm=None):
         start, step = _agreed(comm, restore, ckpt, model, opt, rng)
         log(f"resumed from {args.resume} at epoch {start}, step {step}")
     n_params = model.params.flat.size
-    log(f"mgnn train: {args.model} ResNet, N={args.layers} layers, {n_params} parameters, "
+    log(f"mgnn train: {args.model} " + (f"over L={args.layers} time steps" if recurrent else
+                                         f"ResNet, N={args.layers} layers") + f", {n_params} parameters, "
         f"{args.dtype}, backend {args.backend}; data {ds.name}: {len(ds.y_train)} train / "
         f"{len(ds.y_test)} test; {args.optimizer} lr {lr}, batch {args.batch_size}, "
         f"{args.epochs} epochs")

@@ -145,6 +145,58 @@ def bench_bn_conv(channels=16, batch=64, size=28, dtype="float32", seed=0, eps=1
             "baseline_time_us": 1e6 * t_plain, "ratio": t_bn / t_plain, "target": "<= 1.5"}
 
 
+def gru_step_case(batch=64, hidden=128, dtype="float32", seed=0):
+    """(mgnn, numpy): one GRU step forward + vjp at dt = 1 (PyTorch's cell) as functions of no
+    argument, the input projection gi (B, 3H) given: mgnn's = the gh GEMM by ``np.dot`` (BLAS),
+    the numba gate kernels, then ``dh_direct + dgh @ W_hh``; numpy's = the same GEMMs with the gate
+    arithmetic as NumPy array expressions."""
+    dt, H = np.dtype(dtype), hidden
+    rng = np.random.default_rng(seed)
+    gi, h, g = (rng.standard_normal(s).astype(dt) for s in ((batch, 3 * H), (batch, H),
+                                                             (batch, H)))
+    W_hh = (rng.standard_normal((3 * H, H)) / np.sqrt(H)).astype(dt)
+    W_hhT, b_hh = np.ascontiguousarray(W_hh.T), rng.standard_normal(3 * H).astype(dt)
+    bk = get_backend("numba")
+
+    def mgnn_step():
+        gh = np.dot(h, W_hhT)
+        gh += b_hh
+        h_next, cache = bk.gru_gates_forward(gi, gh, h, 1.0, 0)
+        dh, dgi, dgh = bk.gru_gates_vjp(g, h, cache, 1.0, 0)
+        dh += np.dot(dgh, W_hh)
+        return h_next, dh
+
+    def numpy_step():
+        gh = h @ W_hh.T + b_hh
+        r = 1 / (1 + np.exp(-(gi[:, :H] + gh[:, :H])))
+        z = 1 / (1 + np.exp(-(gi[:, H:2 * H] + gh[:, H:2 * H])))
+        n = np.tanh(gi[:, 2 * H:] + r * gh[:, 2 * H:])
+        h_next = (1 - z) * n + z * h
+        dpn = g * (1 - z) * (1 - n * n)
+        dpr = dpn * gh[:, 2 * H:] * r * (1 - r)
+        dpz = g * (h - n) * z * (1 - z)
+        dgh = np.concatenate([dpr, dpz, dpn * r], axis=1)
+        return h_next, g * z + dgh @ W_hh
+
+    return mgnn_step, numpy_step
+
+
+def bench_gru_step(batch=64, hidden=128, tiny=(4, 4), dtype="float32", seed=0):
+    """Two rows: a GRU step forward + vjp (numba gate kernels + BLAS GEMMs) against the same step
+    in NumPy (matmul + array gate arithmetic), ratio = speed relative to NumPy; and the same for a
+    tiny GRU (``tiny`` = (batch, hidden)), whose time per step is the target there."""
+    dt = np.dtype(dtype)
+    t_mgnn, t_np = (kernel_time(f) for f in gru_step_case(batch, hidden, dtype, seed))
+    t_tiny, t_tiny_np = (kernel_time(f) for f in gru_step_case(*tiny, dtype, seed))
+    base = "numpy matmul + gate arithmetic"
+    return [{"name": f"GRU step fwd+vjp numba B={batch} H={hidden} {dt.name}",
+             "time_us": 1e6 * t_mgnn, "baseline": base, "baseline_time_us": 1e6 * t_np,
+             "ratio": t_np / t_mgnn, "target": ">= 0.5"},
+            {"name": f"tiny GRU step fwd+vjp numba B={tiny[0]} H={tiny[1]} {dt.name}",
+             "time_us": 1e6 * t_tiny, "baseline": base, "baseline_time_us": 1e6 * t_tiny_np,
+             "ratio": t_tiny_np / t_tiny, "target": "<= 10 us/step"}]
+
+
 def _blas_threads(n):
     """Context limiting BLAS threads to ``n`` (threadpoolctl), or a no-op if it is missing."""
     try:
@@ -173,6 +225,7 @@ def run_kernels(quick=False):
     if not quick:
         out.append(bench_conv_kernel())
         out.append(bench_bn_conv())
+        out += bench_gru_step()
     return out
 
 

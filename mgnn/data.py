@@ -80,10 +80,18 @@ class Dataset:
         return Dataset(self.name, (self.x_train - mu) / sd, self.y_train, (self.x_test - mu) / sd,
                        self.y_test, self.n_classes)
 
-    def as_model_input(self, x, model_kind, dtype):
-        """x shaped for a 'dense' (n, C*H*W) or 'conv' (n, C, H, W) model, cast to ``dtype``."""
+    def as_model_input(self, x, model_kind, dtype, seq_len=None):
+        """x shaped for a 'dense' (n, C*H*W) or 'conv' (n, C, H, W) model, or as sequences
+        (n, L, C*H*W / L) for a recurrent one ('gru', 'rnn'; ``seq_len`` L, e.g. 28 rows of
+        an MNIST image: row-sequential MNIST), cast to ``dtype``."""
         if model_kind == "dense":
             x = x.reshape(x.shape[0], -1)
+        elif model_kind in ("gru", "rnn"):
+            size = int(np.prod(x.shape[1:]))
+            if seq_len is None or seq_len < 1 or size % seq_len:
+                raise ValueError(f"seq_len {seq_len!r} does not divide the {size} values of a "
+                                 f"{self.name} sample")
+            x = x.reshape(x.shape[0], seq_len, size // seq_len)
         return np.ascontiguousarray(x, dtype=dtype)
 
 
@@ -168,18 +176,48 @@ def load_synthetic(n_train=512, n_test=128, image_size=(8, 8), n_classes=4, seed
     return Dataset("synthetic", *draw(n_train), *draw(n_test), n_classes)
 
 
-def load_dataset(name, data_dir=None, seed=0, limit_train=None, limit_test=None):
-    """'digits', 'mnist' or 'synthetic' (normalised); ``limit_train`` / ``limit_test`` keep the
-    first samples of each split (any data set): None (all) or an int >= 1."""
+def load_sine(seq_len=512, n_train=2048, n_test=512, n_classes=4, noise=2.0, seed=0):
+    """Seeded long-sequence task: which of ``n_classes`` frequencies a noisy sinusoid has.
+
+    Sample i is ``sin(2 pi f_k t / 64 + phase) + noise * N(0, 1)`` at t = 0..L-1 with
+    f_k = 1 + k / n_classes (cycles per 64 steps) and a uniform random phase; stored as
+    (n, 1, 1, L) (one feature per step). The noise (standard deviation 2 against amplitude 1)
+    hides the frequency in any short window: a classifier has to integrate over many steps,
+    and the best possible accuracy grows with L. Chance level: 1 / n_classes.
+    """
+    seq_len = _check_count("seq_len", seq_len, least=2)
+    n_train, n_test = _check_count("n_train", n_train), _check_count("n_test", n_test)
+    n_classes = _check_count("n_classes", n_classes, least=2)
+    rng = np.random.default_rng(seed)
+    t = np.arange(seq_len)
+
+    def draw(n):
+        y = rng.integers(0, n_classes, size=n)
+        f = 1.0 + y / n_classes
+        phase = rng.uniform(0, 2 * np.pi, size=n)
+        x = np.sin(2 * np.pi * f[:, None] * t / 64.0 + phase[:, None])
+        x += noise * rng.standard_normal(x.shape)
+        return x[:, None, None, :], y.astype(np.int64)
+
+    return Dataset("sine", *draw(n_train), *draw(n_test), n_classes)
+
+
+def load_dataset(name, data_dir=None, seed=0, limit_train=None, limit_test=None, seq_len=512):
+    """'digits', 'mnist', 'synthetic' or 'sine' (:func:`load_sine` of length ``seq_len``),
+    normalised; ``limit_train`` / ``limit_test`` keep the first samples of each split (any
+    data set): None (all) or an int >= 1."""
     _check_limits(limit_train, limit_test)
-    if name == "digits":
+    if name == "sine":
+        ds = load_sine(seq_len, seed=seed)
+    elif name == "digits":
         ds = load_digits(seed=0)
     elif name == "mnist":
         ds = load_mnist(data_dir, limit_train, limit_test)
     elif name == "synthetic":
         ds = load_synthetic(seed=seed)
     else:
-        raise ValueError(f"unknown data set {name!r}; expected 'digits', 'mnist' or 'synthetic'")
+        raise ValueError(f"unknown data set {name!r}; expected 'digits', 'mnist', 'synthetic' "
+                         "or 'sine'")
     if limit_train is not None or limit_test is not None:
         ds = Dataset(ds.name, ds.x_train[:limit_train], ds.y_train[:limit_train],
                      ds.x_test[:limit_test], ds.y_test[:limit_test], ds.n_classes)

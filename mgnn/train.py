@@ -308,6 +308,17 @@ def distributed_checkpoint(path, lp, optimizer, epoch, step, rng, meta=None):
     _agree(lp, err)  # also the barrier: every rank returns once the file is on disk
 
 
+def _normalisable(lp, batch):
+    """Whether a training batch of ``batch`` samples (split over the replicas) passes the step
+    kind's train-mode check (batch norm: more than one value per channel)."""
+    shards = [len(s) for s in np.array_split(np.arange(batch), lp.layout.data_ranks)]
+    try:
+        lp.model.step.check_batch(batch if lp.ctx.replicas is not None else min(shards))
+    except ValueError:
+        return False
+    return True
+
+
 def _add_timings(total, stats):
     for k, v in stats.get("timings", {}).items():
         total[k] = total.get(k, 0.0) + v
@@ -327,7 +338,9 @@ def fit(lp, optimizer, x_train, y_train, x_test, y_test, *, epochs, batch_size, 
         Shuffles every epoch; its state is checkpointed so a resumed run repeats the same batches.
         In a data-parallel run every rank draws the same permutation and replica r trains on
         part r of each batch (``numpy.array_split``); a final batch smaller than the number of
-        replicas is skipped.
+        replicas is skipped, and so is one that batch norm cannot normalise in train mode (one
+        value per channel: a dense model's batch, or without ``sync_bn`` a replica's shard,
+        of one sample).
     checkpoint : str or None
         Path written (atomically) after every epoch; checked writable before the first epoch.
     log : callable(str) or None
@@ -351,7 +364,8 @@ def fit(lp, optimizer, x_train, y_train, x_test, y_test, *, epochs, batch_size, 
     grads = None  # one gradient buffer, filled by every step (loss_and_grad's out)
     for epoch in range(start_epoch, epochs):
         t0 = time.perf_counter()
-        idx = [b for b in batches(len(y_train), batch_size, rng) if len(b) >= replicas]
+        idx = [b for b in batches(len(y_train), batch_size, rng)
+               if len(b) >= replicas and _normalisable(lp, len(b))]
         if not idx:
             raise ValueError(f"no training batch: {len(y_train)} samples, batch_size "
                              f"{batch_size}, {replicas} replicas")

@@ -167,3 +167,20 @@ def test_checkpoint_buffers_must_match_the_model(tmp_path):
     ck = load_checkpoint(path)
     ck["header"]["train_steps"] = 7
     assert restore(ck, bn, opt, rng) == (1, 5) and bn.train_steps == 7
+
+
+def test_fit_skips_a_batch_that_batch_norm_cannot_normalise():
+    """97 samples in batches of 32: the final batch of one sample has one value per channel
+    (dense BN); fit skips it instead of failing after a whole epoch."""
+    ds = mgnn.load_synthetic(n_train=97, n_test=16, image_size=(2, 2), seed=0)
+    model = mgnn.dense_resnet(4, 3, 4, 2, seed=0, batch_norm=True)
+    lp = mgnn.LayerParallel(model)
+    x = ds.as_model_input(ds.x_train, "dense", "float64")
+    xt = ds.as_model_input(ds.x_test, "dense", "float64")
+    opt = mgnn.SGD(model.params.flat, lr=0.01)
+    hist = mgnn.fit(lp, opt, x, ds.y_train, xt, ds.y_test, epochs=1, batch_size=32,
+                    rng=np.random.default_rng(0), progress=False)
+    assert len(hist) == 1 and model.train_steps == 3
+    with pytest.raises(TypeError, match="eps must be a real number"):
+        mgnn.dense_resnet(4, 3, 4, 2, batch_norm=True, bn_eps=True)
+    mgnn.dense_resnet(4, 3, 4, 2, batch_norm=True, bn_eps=np.float32(1e-5))

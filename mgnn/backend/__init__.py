@@ -41,6 +41,9 @@ RNG_KERNELS = ("dropout_mask",)
 #: Optional batch-norm + activation kernels (the fused BN -> sigma path of a block; contract in
 #: :mod:`mgnn.backend.numpy_ref`); a backend that has them sets nothing else.
 BN_KERNELS = ("bn_stats", "bn_act_forward", "bn_act_vjp_sums", "bn_act_vjp_input")
+#: Optional recurrent gate kernels (the elementwise epilogue of a GRU / tanh-RNN cell step after
+#: its GEMMs, forward and vjp; contract in :mod:`mgnn.backend.numpy_ref`).
+RECURRENT_KERNELS = ("gru_gates_forward", "gru_gates_vjp", "rnn_gates_forward", "rnn_gates_vjp")
 
 _MODULES = {"numpy": "numpy_ref", "numba": "numba_cpu"}
 GPU_BACKENDS = ("cuda", "cuda-emulated")

@@ -16,7 +16,7 @@ import operator
 import numpy as np
 
 from . import kernel_dir
-from .numpy_ref import _int, bn_dims, check_stacked_grads
+from .numpy_ref import _int, bn_dims, check_stacked_grads, gate_check
 
 #: CUDA C files and the kernel templates each defines (each instantiated for float and double).
 KERNEL_FILES = {
@@ -33,6 +33,7 @@ KERNEL_FILES = {
     "vector.cu": ("residual_batched", "combine_batched", "sum_partials"),
     "bn.cu": ("bn_stats", "bn_act_forward", "bn_act_vjp_sums", "bn_act_vjp_input"),
     "rng.cu": ("dropout_mask",),
+    "recurrent.cu": ("gru_gates_forward", "gru_gates_vjp", "rnn_gates_forward", "rnn_gates_vjp"),
 }
 
 #: Launch geometry on a GPU (see kernels/common.cuh): 64 x 64 GEMM tiles of 16-deep stages,
@@ -832,6 +833,44 @@ class RawBackend:
         self._elementwise("bn_act_vjp_input", ga.size, ga.dtype, ga, deriv, xhat, invstd, gamma,
                           s1, s2, gz, ga.size, C, S, self._h(_int("count", count), ga.dtype))
         return gz
+
+    # ------------------------------------------------------------ recurrent gate epilogues
+    # Contracts of mgnn.backend.numpy_ref (RECURRENT_KERNELS); one elementwise launch of
+    # kernels/recurrent.cu each, over the B*H elements of h.
+    def gru_gates_forward(self, gi, gh, h, dt, mode):
+        """(h_next (B, H), cache (B, 4, H)); contract of
+        :func:`mgnn.backend.numpy_ref.gru_gates_forward`."""
+        B, H, dt, mode = gate_check(h, dt, mode, gi=(gi, 3), gh=(gh, 3))
+        outs = self._empty((B, H), h.dtype), self._empty((B, 4, H), h.dtype)
+        self._elementwise("gru_gates_forward", B * H, h.dtype, gi, gh, h, *outs, B * H, H, dt,
+                          mode)
+        return outs
+
+    def gru_gates_vjp(self, g, h, cache, dt, mode):
+        """(dh_direct (B, H), dgi (B, 3H), dgh (B, 3H)); contract of
+        :func:`mgnn.backend.numpy_ref.gru_gates_vjp`."""
+        B, H, dt, mode = gate_check(h, dt, mode, g=(g, 1), cache=(cache, (4,)))
+        outs = (self._empty((B, H), h.dtype), self._empty((B, 3 * H), h.dtype),
+                self._empty((B, 3 * H), h.dtype))
+        self._elementwise("gru_gates_vjp", B * H, h.dtype, g, h, cache, *outs, B * H, H, dt,
+                          mode)
+        return outs
+
+    def rnn_gates_forward(self, gi, gh, h, dt):
+        """(h_next, deriv), both (B, H); contract of
+        :func:`mgnn.backend.numpy_ref.rnn_gates_forward`."""
+        B, H, dt, _ = gate_check(h, dt, 0, gi=(gi, 1), gh=(gh, 1))
+        outs = self._empty((B, H), h.dtype), self._empty((B, H), h.dtype)
+        self._elementwise("rnn_gates_forward", B * H, h.dtype, gi, gh, h, *outs, B * H, dt)
+        return outs
+
+    def rnn_gates_vjp(self, g, h, deriv, dt):
+        """(dh_direct, da), both (B, H); contract of
+        :func:`mgnn.backend.numpy_ref.rnn_gates_vjp`."""
+        B, H, dt, _ = gate_check(h, dt, 0, g=(g, 1), deriv=(deriv, 1))
+        outs = self._empty((B, H), h.dtype), self._empty((B, H), h.dtype)
+        self._elementwise("rnn_gates_vjp", B * H, h.dtype, g, deriv, *outs, B * H, dt)
+        return outs
 
 
 def nvcc_source():

@@ -12,7 +12,7 @@ import numba
 from numba.extending import overload
 from numba import njit, prange
 
-from .numpy_ref import _int, bn_dims, check_stacked
+from .numpy_ref import _int, bn_dims, check_stacked, gate_check
 
 name = "numba"
 xp = np  #: array module of this backend
@@ -1125,3 +1125,151 @@ def dropout_mask(seed, step, layer, sample0, batch, n_elements, threshold, out=N
     :func:`mgnn.backend.numpy_ref.dropout_mask`, bit-identical."""
     from .counter_rng import dropout_mask_numba
     return dropout_mask_numba(seed, step, layer, sample0, batch, n_elements, threshold, out=out)
+
+
+# ------------------------------------------------------------------ recurrent gate epilogues
+# Contract: mgnn.backend.numpy_ref (RECURRENT_KERNELS). One row kernel per gate kernel, all on 2-D
+# arrays of one dtype (the cache (B, 4, H) seen as (B, 4H)); one serial and one prange driver run
+# any of them over the batch rows. The drivers turn 1 and dt into scalars of the arrays' dtype, so
+# float32 stays float32 (an int literal would promote to float64); float32 tanh is the rational
+# _tanh.
+@njit(cache=True, inline="always")
+def _sigmoid(x, one):
+    e = np.exp(-abs(x))  # never overflows
+    s = one / (one + e)
+    return s if x >= 0 else e * s
+
+
+@njit(cache=True, inline="always")
+def _gru_fwd_row(b, gi, gh, h, out, cache, dt, mode, one):
+    H = h.shape[1]
+    for j in range(2 * H):  # r and z: one contiguous pass (faster than interleaved with n)
+        cache[b, j] = _sigmoid(gi[b, j] + gh[b, j], one)
+    for j in range(H):
+        r, z, ghn = cache[b, j], cache[b, H + j], gh[b, 2 * H + j]
+        n = _tanh(gi[b, 2 * H + j] + r * ghn)
+        hb = h[b, j]
+        if mode == 1:
+            a = dt * (one - z)
+            out[b, j] = (hb + a * n) / (one + a)
+        elif dt == one:
+            out[b, j] = (one - z) * n + z * hb
+        else:
+            out[b, j] = hb + dt * (one - z) * (n - hb)
+        cache[b, 2 * H + j], cache[b, 3 * H + j] = n, ghn
+
+
+@njit(cache=True, inline="always")
+def _gru_vjp_row(b, g, h, cache, dh, dgi, dgh, dt, mode, one):
+    H = h.shape[1]
+    for j in range(H):
+        r, z, n, ghn = cache[b, j], cache[b, H + j], cache[b, 2 * H + j], cache[b, 3 * H + j]
+        gb, hb = g[b, j], h[b, j]
+        if mode == 1:
+            a = dt * (one - z)
+            inv = one / (one + a)
+            c_h, c_n, c_z = inv, a * inv, -dt * (n - hb) * inv * inv
+        elif dt == one:
+            c_h, c_n, c_z = z, one - z, hb - n
+        else:
+            c_n = dt * (one - z)
+            c_h, c_z = one - c_n, -dt * (n - hb)
+        dpn = gb * c_n * (one - n * n)
+        dpr = dpn * ghn * r * (one - r)
+        dpz = gb * c_z * z * (one - z)
+        dh[b, j] = gb * c_h
+        dgi[b, j], dgi[b, H + j], dgi[b, 2 * H + j] = dpr, dpz, dpn
+        dgh[b, j], dgh[b, H + j], dgh[b, 2 * H + j] = dpr, dpz, dpn * r
+
+
+@njit(cache=True, inline="always")
+def _rnn_fwd_row(b, gi, gh, h, out, deriv, dt, one):
+    for j in range(h.shape[1]):
+        t = _tanh(gi[b, j] + gh[b, j])
+        out[b, j] = t if dt == one else h[b, j] + dt * (t - h[b, j])
+        deriv[b, j] = one - t * t
+
+
+@njit(cache=True, inline="always")
+def _rnn_vjp_row(b, g, deriv, dh, da, dt, one):
+    for j in range(g.shape[1]):
+        dh[b, j] = g[b, j] * (one - dt)
+        da[b, j] = g[b, j] * dt * deriv[b, j]
+
+
+@njit(cache=True, inline="always")
+def _gate_row(kind, b, A, B, C, D, E, F, dt, mode, one):
+    if kind == 0:
+        _gru_fwd_row(b, A, B, C, D, E, dt, mode, one)
+    elif kind == 1:
+        _gru_vjp_row(b, A, B, C, D, E, F, dt, mode, one)
+    elif kind == 2:
+        _rnn_fwd_row(b, A, B, C, D, E, dt, one)
+    else:
+        _rnn_vjp_row(b, A, B, C, D, dt, one)
+
+
+@njit(cache=True, inline="always")
+def _typed(A, dt):
+    """(1, dt) as scalars of A's dtype."""
+    s = np.empty(2, A.dtype)
+    s[0], s[1] = 1, dt
+    return s[0], s[1]
+
+
+@njit(cache=True)
+def _gates(kind, A, B, C, D, E, F, dt, mode):
+    one, dt = _typed(A, dt)
+    for b in range(A.shape[0]):
+        _gate_row(kind, b, A, B, C, D, E, F, dt, mode, one)
+
+
+@njit(cache=True, parallel=True)
+def _gates_par(kind, A, B, C, D, E, F, dt, mode):
+    one, dt = _typed(A, dt)
+    for b in prange(A.shape[0]):
+        _gate_row(kind, b, A, B, C, D, E, F, dt, mode, one)
+
+
+#: Elements of h from which the gate kernels run their rows on Numba's threads (below it the
+#: parallel launch costs more than it saves).
+GATES_PARALLEL = 1 << 15
+
+
+def _run_gates(kind, arrays, B, H, dt, mode):
+    """Kernel ``kind`` (0 GRU forward, 1 GRU vjp, 2 RNN forward, 3 RNN vjp) on six 2-D arrays."""
+    par = B > 1 and B * H >= GATES_PARALLEL and numba.get_num_threads() > 1
+    (_gates_par if par else _gates)(kind, *arrays, dt, mode)
+
+
+def gru_gates_forward(gi, gh, h, dt, mode):
+    B, H, dt, mode = gate_check(h, dt, mode, gi=(gi, 3), gh=(gh, 3))
+    out, cache = np.empty_like(h), np.empty((B, 4, H), h.dtype)
+    _run_gates(0, (gi, gh, h, out, cache.reshape(B, 4 * H), out), B, H, dt, mode)
+    return out, cache
+
+
+def gru_gates_vjp(g, h, cache, dt, mode):
+    B, H, dt, mode = gate_check(h, dt, mode, g=(g, 1), cache=(cache, (4,)))
+    dh, dgi, dgh = np.empty_like(h), np.empty((B, 3 * H), h.dtype), np.empty((B, 3 * H), h.dtype)
+    _run_gates(1, (g, h, cache.reshape(B, 4 * H), dh, dgi, dgh), B, H, dt, mode)
+    return dh, dgi, dgh
+
+
+def rnn_gates_forward(gi, gh, h, dt):
+    B, H, dt, _ = gate_check(h, dt, 0, gi=(gi, 1), gh=(gh, 1))
+    out, deriv = np.empty_like(h), np.empty_like(h)
+    _run_gates(2, (gi, gh, h, out, deriv, out), B, H, dt, 0)
+    return out, deriv
+
+
+def rnn_gates_vjp(g, h, deriv, dt):
+    B, H, dt, _ = gate_check(h, dt, 0, g=(g, 1), deriv=(deriv, 1))
+    dh, da = np.empty_like(h), np.empty_like(h)
+    _run_gates(3, (g, deriv, dh, da, h, h), B, H, dt, 0)
+    return dh, da
+
+
+for _f in (gru_gates_forward, gru_gates_vjp, rnn_gates_forward, rnn_gates_vjp):
+    _f.__doc__ = (f"Numba kernel (rows in parallel from {GATES_PARALLEL} elements); contract of "
+                  f":func:`mgnn.backend.numpy_ref.{_f.__name__}`.")

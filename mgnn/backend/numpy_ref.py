@@ -8,6 +8,7 @@ Conventions shared by every backend (see :mod:`mgnn.backend`):
   layers and affine closings use ``h = 1``);
 * ``deriv`` is ``sigma'(z)`` at the pre-activation ``z``, shape of ``y``.
 """
+import math
 import operator
 
 import numpy as np
@@ -608,3 +609,119 @@ def dropout_mask(seed, step, layer, sample0, batch, n_elements, threshold, out=N
     :func:`mgnn.backend.counter_rng.dropout_mask` (1 = keep)."""
     from .counter_rng import dropout_mask as mask
     return mask(seed, step, layer, sample0, batch, n_elements, threshold, out=out)
+
+
+# ------------------------------------------------------------------ recurrent gate epilogues
+# The elementwise part of a GRU / tanh-RNN cell step (:data:`mgnn.backend.RECURRENT_KERNELS`); the
+# GEMMs gi = x W_ih^T + b_ih and gh = h W_hh^T + b_hh are done by the caller. GRU gates are stacked
+# (r, z, n) along the last axis of gi and gh (PyTorch's layout: columns [0:H], [H:2H], [2H:3H]):
+# r = sigmoid(gi_r + gh_r), z = sigmoid(gi_z + gh_z), n = tanh(gi_n + r gh_n), and
+#   mode 0 (explicit): h' = h + dt (1 - z)(n - h), computed as (1 - z) n + z h when dt == 1
+#                      (PyTorch's GRU);
+#   mode 1 (implicit): h' = (h + dt (1 - z) n) / (1 + dt (1 - z)).
+# The tanh RNN: h' = h + dt (tanh(gi + gh) - h), h' = tanh(gi + gh) when dt == 1.
+# dt is a real > 0 (1 on the fine level, cf^level on coarse MGRIT levels), used in h's dtype.
+
+
+def gate_check(h, dt, mode, **arrays):
+    """Validate a gate-kernel call (cheap: it runs on every step); returns (B, H, dt as a Python
+    float, mode).
+
+    h must be a C-contiguous float32/float64 array (B, H); each keyword value is ``(array, k)``:
+    the array must be C-contiguous of h's dtype and of shape (B, k H) for an int k, (B, k[0], H)
+    for a 1-tuple k. dt: a finite real > 0; mode: 0 or 1.
+    """
+    shape, dtype = getattr(h, "shape", None), getattr(h, "dtype", None)
+    if shape is None or len(shape) != 2 or dtype.char not in "fd" or not h.flags.c_contiguous:
+        raise ValueError(f"h must be a C-contiguous float32/float64 array of shape (B, H), got "
+                         f"{getattr(h, 'dtype', type(h).__name__)} {shape or ''}")
+    B, H = shape
+    for name, (a, k) in arrays.items():
+        want = (B, k * H) if k.__class__ is int else (B, k[0], H)
+        if (getattr(a, "shape", None) != want or (a.dtype is not dtype and a.dtype != dtype)
+                or not a.flags.c_contiguous):
+            raise ValueError(f"{name} must be a C-contiguous {dtype} array of shape {want}, "
+                             f"got {getattr(a, 'dtype', type(a).__name__)} "
+                             f"{getattr(a, 'shape', '')}")
+    if dt.__class__ is not float:
+        if isinstance(dt, (bool, np.bool_)) or not isinstance(dt, (int, float, np.integer,
+                                                                    np.floating)):
+            raise TypeError(f"dt must be a real number, got {dt!r}")
+        dt = float(dt)
+    if not (math.isfinite(dt) and dt > 0):
+        raise ValueError(f"dt must be finite and > 0, got {dt!r}")
+    if mode.__class__ is not int:
+        mode = _int("mode", mode)
+    if mode != 0 and mode != 1:
+        raise ValueError(f"mode must be 0 (explicit) or 1 (implicit), got {mode!r}")
+    return B, H, dt, mode
+
+
+def _sigmoid(x):
+    """1 / (1 + exp(-x)) without overflow: exp(-|x|) only."""
+    e = np.exp(-np.abs(x))
+    s = 1 / (1 + e)
+    return np.where(x >= 0, s, e * s)
+
+
+def gru_gates_forward(gi, gh, h, dt, mode):
+    """GRU gate epilogue: (h_next (B, H), cache (B, 4, H)).
+
+    gi, gh (B, 3H): input and hidden projections with their biases, gates (r, z, n) stacked;
+    h (B, H); dt > 0; mode 0 explicit / 1 implicit (see the section comment). cache[:, 0..3] =
+    r, z, n, gh_n: what :func:`gru_gates_vjp` needs.
+    """
+    B, H, dt, mode = gate_check(h, dt, mode, gi=(gi, 3), gh=(gh, 3))
+    r = _sigmoid(gi[:, :H] + gh[:, :H])
+    z = _sigmoid(gi[:, H:2 * H] + gh[:, H:2 * H])
+    ghn = gh[:, 2 * H:]
+    n = np.tanh(gi[:, 2 * H:] + r * ghn)
+    if mode == 1:
+        a = dt * (1 - z)
+        h_next = (h + a * n) / (1 + a)
+    elif dt == 1:
+        h_next = (1 - z) * n + z * h
+    else:
+        h_next = h + dt * (1 - z) * (n - h)
+    return h_next, np.ascontiguousarray(np.stack([r, z, n, ghn], axis=1))
+
+
+def gru_gates_vjp(g, h, cache, dt, mode):
+    """vjp of :func:`gru_gates_forward` with cotangent g (B, H) of h_next:
+    (dh_direct (B, H), dgi (B, 3H), dgh (B, 3H)).
+
+    dh_direct is the path h -> h_next that bypasses gh (the caller adds dgh @ W_hh); dgi, dgh are
+    the cotangents of gi and gh (they differ only in the n block: dgh_n = dgi_n * r).
+    """
+    B, H, dt, mode = gate_check(h, dt, mode, g=(g, 1), cache=(cache, (4,)))
+    r, z, n, ghn = (cache[:, k] for k in range(4))
+    if mode == 1:  # h' = (h + a n) / (1 + a), a = dt (1 - z)
+        a = dt * (1 - z)
+        inv = 1 / (1 + a)
+        c_h, c_n, c_z = inv, a * inv, -dt * (n - h) * inv * inv
+    elif dt == 1:  # h' = (1 - z) n + z h
+        c_h, c_n, c_z = z, 1 - z, h - n
+    else:  # h' = h + dt (1 - z)(n - h)
+        c_n = dt * (1 - z)
+        c_h, c_z = 1 - c_n, -dt * (n - h)
+    dpn = g * c_n * (1 - n * n)
+    dpr = dpn * ghn * r * (1 - r)
+    dpz = g * c_z * z * (1 - z)
+    return (g * c_h, np.concatenate([dpr, dpz, dpn], axis=1),
+            np.concatenate([dpr, dpz, dpn * r], axis=1))
+
+
+def rnn_gates_forward(gi, gh, h, dt):
+    """tanh-RNN epilogue: (h_next, deriv), both (B, H): t = tanh(gi + gh), h_next = h + dt (t - h)
+    (= t when dt == 1), deriv = 1 - t^2; gi, gh, h (B, H), dt > 0."""
+    B, H, dt, _ = gate_check(h, dt, 0, gi=(gi, 1), gh=(gh, 1))
+    t = np.tanh(gi + gh)
+    return (t if dt == 1 else h + dt * (t - h)), 1 - t * t
+
+
+def rnn_gates_vjp(g, h, deriv, dt):
+    """vjp of :func:`rnn_gates_forward` with cotangent g (B, H): (dh_direct, da), both (B, H):
+    dh_direct = (1 - dt) g (the path bypassing gh), da = dt g deriv (the cotangent of gi and of
+    gh). h (B, H) is only checked (kept for the GRU's signature)."""
+    B, H, dt, _ = gate_check(h, dt, 0, g=(g, 1), deriv=(deriv, 1))
+    return g * (1 - dt), g * dt * deriv

@@ -14,10 +14,11 @@ its index ``n`` (parameters, dropout mask) and on the context (train/eval, train
 global sample offset, replica statistics), never on how often or where it is evaluated.
 """
 import math
+import numbers
 
 import numpy as np
 
-from ..backend import activation_code
+from ..backend import activation_code, is_device_array
 from ..backend.counter_rng import dropout_mask, dropout_threshold
 
 
@@ -45,6 +46,12 @@ class StepContext:
     def __init__(self, training=True, step=0, sample0=0, seed=0, buffers=None, replicas=None):
         self.training, self.step, self.sample0 = training, step, sample0
         self.seed, self.buffers, self.replicas = seed, buffers, replicas
+        self.x, self.memo = None, {}
+
+    def begin(self, x):
+        """A new call on the input batch ``x`` (per-step inputs of sequence models): forget what
+        was memoised for the previous one (e.g. input projections made with older weights)."""
+        self.x, self.memo = x, {}
 
     def mask(self, bk, layer, shape, dtype, threshold):
         """Dropout keep mask of ``layer`` for a batch shaped ``shape`` (B, ...), as 0/1 of
@@ -61,7 +68,10 @@ class StepContext:
 
 def _xp(a):
     """NumPy or CuPy, whichever holds ``a``."""
-    return np if isinstance(a, np.ndarray) else __import__("cupy")
+    if is_device_array(a):
+        import cupy
+        return cupy
+    return np
 
 
 def _channel_axes(x):
@@ -115,9 +125,12 @@ class BatchNorm:
 
     def __init__(self, channels, eps=1e-5, momentum=0.1):
         self.channels = int(channels)
-        if not (isinstance(eps, (int, float)) and eps > 0 and math.isfinite(eps)):
+        for name, v in (("eps", eps), ("momentum", momentum)):
+            if isinstance(v, bool) or not isinstance(v, numbers.Real):
+                raise TypeError(f"batch norm {name} must be a real number, got {v!r}")
+        if not (eps > 0 and math.isfinite(eps)):
             raise ValueError(f"batch norm eps must be a positive number, got {eps!r}")
-        if not (isinstance(momentum, (int, float)) and 0 <= momentum <= 1):
+        if not 0 <= momentum <= 1:
             raise ValueError(f"batch norm momentum must be in [0, 1], got {momentum!r}")
         self.eps, self.momentum = float(eps), float(momentum)
 
@@ -194,8 +207,7 @@ class BatchNorm:
         if count < 2:
             raise ValueError(f"batch norm of layer {layer} (steps.bn_weight[{layer}]) needs more "
                              f"than one value per channel in train mode, got {count} (the "
-                             "variance of one value is undefined); use a larger batch, or "
-                             "model.eval()")
+                             "variance of one value is undefined): use a larger batch")
 
 
 class BatchNormAct(BatchNorm):
@@ -311,6 +323,7 @@ class ComposedStep:
     """
 
     fused = False  # no stacked / batched kernels: the propagators use the layer-indexed protocol
+    shared = False  # per-layer parameters (leading axis N)
 
     def __init__(self, blocks, state_shape, param_shapes, buffer_shapes=None):
         self.blocks = list(blocks)
@@ -387,6 +400,12 @@ class ComposedStep:
     def vjp_params_layer(self, P, n, u, cache, lam, h, bk, ctx, G):
         """In place: G[name][n] = h (dF_n/dtheta)^T lam for every parameter name."""
         self._back(P, n, cache, lam, bk, ctx, G, h)
+
+    def vjp_params_steps(self, P, steps, U, caches, lams, h, bk, ctx, G):
+        """:meth:`vjp_params_layer` of every layer n in ``steps`` with state U[n], cache
+        caches[n] and cotangent lams[n + 1]."""
+        for n in steps:
+            self.vjp_params_layer(P, n, U[n], caches[n], lams[n + 1], h, bk, ctx, G)
 
     def commit_buffers(self, buffers, n, cache):
         """Update layer n's buffers (running statistics) from a train-mode cache."""

@@ -23,6 +23,7 @@ class _StepKind:
         self.act = activation_code(activation)
 
     fused = True  # the stacked / batched kernels exist (mgnn.blocks.composed.ComposedStep: no)
+    shared = False  # per-layer parameters (leading axis N)
 
     # layer-indexed protocol (every step kind; mgnn.blocks.composed documents it): P holds every
     # layer's parameters by name (leading axis N), ctx is a StepContext (unused here)

@@ -11,6 +11,7 @@ from mgnn.backend.cupy_raw import GPU_GEOMETRY, KERNEL_FILES, RawBackend, compil
 from mgnn.backend.host_emulation import EMULATION_GEOMETRY, EmulationLauncher
 from mgnn.backend import counter_rng
 from tests.backend.test_bn_kernels import bn_chain
+from tests.backend.test_recurrent_kernels import recurrent_chain
 from tests.conftest import assert_close
 
 ALL_KERNELS = {k for names in KERNEL_FILES.values() for k in names}
@@ -102,6 +103,7 @@ def _exercise(bk, rng, dt, B=9, w=10):
         "stacked": (_stacked(bk, dt, B, w), _stacked(REF, dt, B, w)),
         "stacked_grads": (_stacked_grads(bk, dt, B, w), _stacked_grads(REF, dt, B, w)),
         "bn": (bn_chain(bk, dt, B, w), bn_chain(REF, dt, B, w)),
+        "recurrent": (recurrent_chain(bk, dt, B, w), recurrent_chain(REF, dt, B, w)),
         "dropout_mask": (bk.dropout_mask(2**40 + 3, 2, 5, 2**31 + 1, B, w, 2**23),
                          counter_rng.dropout_mask(2**40 + 3, 2, 5, 2**31 + 1, B, w, 2**23)),
     }

@@ -315,7 +315,9 @@ def test_sync_bn_without_replicas_is_a_no_op():
     rng = np.random.default_rng(11)
     x, y = rng.standard_normal((5, 4)), rng.integers(0, 3, 5)
     a, b = (mgnn.dense_resnet(4, 3, 3, 4, seed=2, batch_norm=True) for _ in range(2))
-    la, ga = mgnn.LayerParallel(a, sync_bn=True).loss_and_grad(x, y)
+    lp = mgnn.LayerParallel(a, sync_bn=True)
+    assert lp.ctx.replicas is None  # nothing to synchronise with: no collective per evaluation
+    la, ga = lp.loss_and_grad(x, y)
     lb, gb = mgnn.LayerParallel(b).loss_and_grad(x, y)
     assert la == lb and np.array_equal(ga.flat, gb.flat)
     np.testing.assert_array_equal(a.buffers.flat, b.buffers.flat)

@@ -63,10 +63,19 @@ def test_distributed_network_equals_single_process(ranks, data_ranks):
     assert out["checked"] == 14  # 2 nets x (3 MGRIT settings x 2 coarsest solves + layer-wise)
 
 
-@pytest.mark.parametrize("ranks, data_ranks", [(1, 1), (2, 1), (3, 1), (4, 1), (2, 2), (4, 4)])
+@pytest.mark.parametrize("ranks, data_ranks", [(1, 1), (2, 1), (3, 1), (4, 1), (2, 2), (4, 2),
+                                               (4, 4)])
 def test_batch_norm_and_dropout_distributed_equal_single_process(ranks, data_ranks):
     out = _json(mpirun(ranks, "-m", "tests.mpi.mpi_cases", "composed", str(data_ranks)))
-    assert out["checked"] == 16  # 4 nets x (MGRIT, layer-wise) x 2 steps (full, ragged)
+    # 4 nets x (MGRIT, layer-wise) x 2 steps (full, ragged) with sync_bn; with replicas also
+    # 2 nets with per-replica statistics
+    assert out["checked"] == 16 + (2 if data_ranks > 1 else 0)
+
+
+@pytest.mark.parametrize("ranks, data_ranks", [(1, 1), (2, 1), (3, 1), (4, 1), (4, 2)])
+def test_recurrent_models_distributed_equal_single_process(ranks, data_ranks):
+    out = _json(mpirun(ranks, "-m", "tests.mpi.mpi_cases", "recurrent", str(data_ranks)))
+    assert out["checked"] == 8  # 2 GRUs, implicit GRU, RNN x (MGRIT, step after step)
 
 
 def test_bad_input_on_one_rank_raises_everywhere():

@@ -1,0 +1,256 @@
+"""Recurrent sequence models as time steppers: GRU and tanh-RNN cells over sequence time.
+
+The state at time t is every layer's hidden state, ``u_t`` (B, n_layers, H); one step applies
+the cells of all layers in order (layer l reads layer l-1's new hidden state, layer 0 the input
+``x_t``), so MGRIT over time parallelises all layers at once. The weights are shared by every
+step (PyTorch's ``torch.nn.GRU`` / ``torch.nn.RNN`` layouts and state-dict names): a step kind
+with ``shared = True``, whose parameters have no leading step axis and whose parameter gradient
+is the sum over the steps, computed after the adjoint solve with one GEMM per weight.
+
+Gate arithmetic runs in the backend's recurrent kernels (``mgnn.backend.RECURRENT_KERNELS``:
+``gru_gates_forward`` / ``gru_gates_vjp`` / ``rnn_gates_forward`` / ``rnn_gates_vjp``), the
+GEMMs in the array module's matmul (BLAS / cuBLAS); the input projections of layer 0 for every
+step are one GEMM per call (they do not depend on the state).
+
+Coarse MGRIT levels (step size ``h`` = the level's stride, the fine step being 1):
+``coarse="rediscretise"`` applies the fine cell with the input at the coarse point;
+``coarse="implicit"`` reads the GRU as the ODE ``h' = h + dt (1 - z)(n - h)`` with dt = the
+stride and treats the linear term implicitly, ``h' = (h + dt (1 - z) n) / (1 + dt (1 - z))``
+(Moon & Cyr 2022); for the RNN, ``h' = h + dt (tanh(a) - h)`` with the same implicit treatment
+of ``-h`` is not offered: its coarse steps rediscretise.
+"""
+import numpy as np
+
+from ..backend import activation_code, is_device_array
+
+CELLS = ("gru", "implicit_gru", "rnn")
+COARSE = ("rediscretise", "implicit")
+
+
+def _xp(a):
+    if is_device_array(a):
+        import cupy
+        return cupy
+    return np
+
+
+class RecurrentStep:
+    """One time step of a stack of ``n_layers`` recurrent cells (the step kind of a sequence
+    model; layer-indexed protocol of :mod:`mgnn.blocks.composed` with shared weights).
+
+    Parameters
+    ----------
+    cell : {'gru', 'implicit_gru', 'rnn'}
+        PyTorch's GRU, the implicit GRU (``h' = (h + (1 - z) n) / (1 + (1 - z))`` on the fine
+        level), or PyTorch's tanh RNN.
+    in_features, hidden, n_layers : int
+    coarse : {'rediscretise', 'implicit'}
+        Coarse-level propagator (module docstring); 'implicit' needs a GRU cell.
+    """
+
+    fused = False   # the single-state protocol (no stacked kernels)
+    shared = True   # one set of weights for every step: gradients are sums over the steps
+
+    def __init__(self, cell, in_features, hidden, n_layers, coarse="rediscretise"):
+        if cell not in CELLS:
+            raise ValueError(f"cell must be one of {CELLS}, got {cell!r}")
+        if coarse not in COARSE:
+            raise ValueError(f"coarse must be one of {COARSE}, got {coarse!r}")
+        if coarse == "implicit" and cell == "rnn":
+            raise ValueError("coarse='implicit' needs a GRU cell (the RNN rediscretises)")
+        self.cell, self.coarse = cell, coarse
+        self.in_features, self.hidden, self.n_layers = in_features, hidden, n_layers
+        self.gates = 1 if cell == "rnn" else 3
+        self.prefix = "rnn" if cell == "rnn" else "gru"
+        self._identity = activation_code("identity")
+
+    # ------------------------------------------------------------------------------ structure
+    def param_shapes(self):
+        """PyTorch's per-layer shapes: weight_ih_l{k} (G H, I or H), weight_hh_l{k} (G H, H),
+        bias_ih_l{k}, bias_hh_l{k} (G H,); G = 3 (GRU) or 1 (RNN)."""
+        G, H = self.gates, self.hidden
+        out = {}
+        for k in range(self.n_layers):
+            out[f"weight_ih_l{k}"] = (G * H, self.in_features if k == 0 else H)
+            out[f"weight_hh_l{k}"] = (G * H, H)
+            out[f"bias_ih_l{k}"] = (G * H,)
+            out[f"bias_hh_l{k}"] = (G * H,)
+        return out
+
+    def init_bound(self, name):
+        """PyTorch's initialisation: uniform(-1/sqrt(H), 1/sqrt(H)) for every parameter."""
+        return 1.0 / np.sqrt(self.hidden)
+
+    def buffer_shapes(self):
+        """No buffers."""
+        return {}
+
+    def state_shape(self, batch):
+        """(B, n_layers, H): every layer's hidden state."""
+        return (batch, self.n_layers, self.hidden)
+
+    def check_batch(self, batch, layer=0):
+        """Any batch works."""
+
+    def commit_buffers(self, buffers, n, cache):
+        """No buffers."""
+
+    # ------------------------------------------------------------------------------ arithmetic
+    def _rule(self, h):
+        """(dt, mode) of a step of size h (1 on the fine level): the gate kernels' update rule."""
+        coarse = float(h) != 1.0
+        if self.cell == "rnn":
+            return 1.0, 0
+        implicit = self.cell == "implicit_gru" or (coarse and self.coarse == "implicit")
+        dt = float(h) if coarse and self.coarse == "implicit" else 1.0
+        return dt, (1 if implicit else 0)
+
+    def _input_projection(self, P, ctx):
+        """x_t W_ih0^T + b_ih0 for every step t: (B, L, G H), one GEMM per call (memoised in
+        the context, which the caller resets with each new batch)."""
+        gi = ctx.memo.get("gi0")
+        if gi is None:
+            x = ctx.x
+            B, L, I = x.shape
+            W, b = P["weight_ih_l0"], P["bias_ih_l0"]
+            gi = ctx.memo["gi0"] = (x.reshape(B * L, I) @ W.T + b).reshape(B, L, -1)
+        return gi
+
+    def _gates_forward(self, gi, gh, h, dt, mode, bk):
+        if self.cell == "rnn":
+            return bk.rnn_gates_forward(gi, gh, h, dt)
+        return bk.gru_gates_forward(gi, gh, h, dt, mode)
+
+    def _run(self, P, n, u, h, bk, ctx, keep):
+        """u_{n+1} from u_n = u (B, nl, H) and, if ``keep``, per-layer caches
+        (gate cache, layer input, previous hidden state)."""
+        xp = _xp(u)
+        dt, mode = self._rule(h)
+        gi_all = self._input_projection(P, ctx)
+        out = xp.empty_like(u)
+        caches = []
+        inp = None
+        for k in range(self.n_layers):
+            if k == 0:
+                gi = xp.ascontiguousarray(gi_all[:, n, :])
+            else:
+                gi = inp @ P[f"weight_ih_l{k}"].T + P[f"bias_ih_l{k}"]
+            hk = xp.ascontiguousarray(u[:, k, :])
+            gh = hk @ P[f"weight_hh_l{k}"].T + P[f"bias_hh_l{k}"]
+            h_next, cache = self._gates_forward(gi, gh, hk, dt, mode, bk)
+            out[:, k, :] = h_next
+            if keep:
+                caches.append((cache, inp, hk))
+            inp = h_next
+        return out, caches
+
+    def forward_layer(self, P, n, u, h, bk, ctx):
+        """u_{n+1} = Phi_n(u_n): every layer's cell at step n (step size h: see :meth:`_rule`)."""
+        return self._run(P, n, u, h, bk, ctx, False)[0]
+
+    def forward_linearize(self, P, n, u, h, bk, ctx):
+        """(u_{n+1}, the caches the vjps need)."""
+        return self._run(P, n, u, h, bk, ctx, True)
+
+    def linearize(self, P, n, u, bk, ctx):
+        """The caches of step n at u (fine step: the gates do not depend on dt)."""
+        return self._run(P, n, u, 1.0, bk, ctx, True)[1]
+
+    def _back(self, P, n, caches, lam, h, bk, collect=None):
+        """The state vjp of step n; ``collect``: a list receiving (dgi, dgh) per layer."""
+        xp = _xp(lam)
+        dt, mode = self._rule(h)
+        out = xp.empty_like(lam)
+        carry = None  # cotangent of layer k's new hidden state from layer k+1's input
+        for k in range(self.n_layers - 1, -1, -1):
+            cache, _, hk = caches[k]
+            g = xp.ascontiguousarray(lam[:, k, :])
+            if carry is not None:
+                g = g + carry
+            if self.cell == "rnn":
+                dh, da = bk.rnn_gates_vjp(g, hk, cache, dt)
+                dgi = dgh = da
+            else:
+                dh, dgi, dgh = bk.gru_gates_vjp(g, hk, cache, dt, mode)
+            out[:, k, :] = dh + dgh @ P[f"weight_hh_l{k}"]
+            if collect is not None:
+                collect.append((k, dgi, dgh))
+            carry = dgi @ P[f"weight_ih_l{k}"] if k > 0 else None
+        return out
+
+    def vjp_state_layer(self, P, n, cache, lam, h, bk, ctx):
+        """J_n^T lam: the cotangent of u_n from the cotangent ``lam`` of u_{n+1}."""
+        return self._back(P, n, cache, lam, h, bk)
+
+    def vjp_params_steps(self, P, steps, U, caches, lams, h, bk, ctx, G):
+        """G[name] = the sum over the steps n in ``steps`` of (dPhi_n/dtheta)^T lams[n + 1]
+        (written, not accumulated), with one GEMM per weight over all those steps."""
+        steps = list(steps)
+        xp = _xp(G[f"weight_hh_l0"])
+        per_layer = {k: ([], [], [], []) for k in range(self.n_layers)}  # dgi, inp, dgh, h
+        for n in steps:
+            collected = []
+            self._back(P, n, caches[n], lams[n + 1], h, bk, collected)
+            for k, dgi, dgh in collected:
+                _, inp, hk = caches[n][k]
+                acc = per_layer[k]
+                acc[0].append(dgi)
+                acc[1].append(ctx.x[:, n, :] if k == 0 else inp)
+                acc[2].append(dgh)
+                acc[3].append(hk)
+        for k, (dgis, inps, dghs, hs) in per_layer.items():
+            if not steps:
+                for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
+                    G[f"{name}_l{k}"][...] = 0
+                continue
+            dgi, inp = xp.concatenate(dgis), xp.concatenate(inps)
+            dgh, hh = xp.concatenate(dghs), xp.concatenate(hs)
+            G[f"weight_ih_l{k}"][...] = dgi.T @ inp
+            G[f"bias_ih_l{k}"][...] = dgi.sum(axis=0)
+            G[f"weight_hh_l{k}"][...] = dgh.T @ hh
+            G[f"bias_hh_l{k}"][...] = dgh.sum(axis=0)
+
+
+class ZeroOpening:
+    """u_0 = 0 (B, n_layers, H): PyTorch's default initial hidden state; the input sequence x
+    (B, L, I) enters every step instead. No parameters."""
+
+    def __init__(self, seq_len, in_features, hidden, n_layers):
+        self.seq_len, self.in_features = seq_len, in_features
+        self.hidden, self.n_layers = hidden, n_layers
+
+    def param_shapes(self):
+        return {}
+
+    def input_shape(self):
+        """(L, I)."""
+        return (self.seq_len, self.in_features)
+
+    def forward(self, params, x, bk):
+        xp = _xp(x)
+        return xp.zeros((x.shape[0], self.n_layers, self.hidden), dtype=x.dtype), None
+
+    def vjp(self, params, x, cache, g, bk):
+        """No parameters, and x enters through the steps: (None, {})."""
+        return None, {}
+
+
+class LastHiddenClosing:
+    """logits = h_last C^T + c on the last layer's hidden state at the last step; u (B, nl, H)."""
+
+    def __init__(self, hidden, n_classes):
+        from .layers import DenseClosing
+        self._dense = DenseClosing(hidden, n_classes)
+        self.hidden, self.n_classes = hidden, n_classes
+
+    def param_shapes(self):
+        return self._dense.param_shapes()
+
+    def forward(self, params, u, bk):
+        return self._dense.forward(params, _xp(u).ascontiguousarray(u[:, -1, :]), bk)
+
+    def vjp(self, params, u, cache, g, bk):
+        gf, gp = self._dense.vjp(params, u[:, -1, :], cache, g, bk)
+        gu = _xp(u).zeros_like(u)
+        gu[:, -1, :] = gf
+        return gu, gp
