@@ -102,13 +102,16 @@ def _bench_parser(sub):
                                    "(run under mpiexec -n P, or it launches mpiexec itself), "
                                    "writing CSV, JSON and PNG plots.",
                        epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("suite", choices=["kernels", "mgrit", "scaling", "gpu-launches"],
+    p.add_argument("suite", choices=["kernels", "mgrit", "scaling", "gpu-launches", "recurrent"],
                    help="which benchmark (gpu-launches: launches and host time of a GPU "
                         "training step, no GPU needed)")
     p.add_argument("--quick", action="store_true", help="fewer cases / smaller sizes")
     p.add_argument("--json", action="store_true", help="kernels/mgrit: JSON lines")
     g = p.add_argument_group("scaling")
     g.add_argument("--ranks", default="1,2,4", help="process counts P (default 1,2,4)")
+    g.add_argument("--model", choices=["dense", "gru"], default="dense",
+                   help="scaling: dense ResNet over N layers, or a GRU over N time steps "
+                        "(hidden = --width, 4 input features; no pipeline baseline)")
     g.add_argument("--layers", "--n-layers", dest="n_layers", type=int, default=256, metavar="N",
                    help="residual layers N (default 256)")
     g.add_argument("--width", type=int, default=64, help="state width (default 64)")
@@ -497,7 +500,12 @@ def cmd_bench(args):
     if args.suite == "scaling":
         from .scaling import main as scaling_main
         return scaling_main(args)
-    if args.suite == "kernels":
+    if args.suite == "recurrent":  # prints its table row by row (long at full size)
+        from .bench import bench_gru_coarse
+        results = bench_gru_coarse(seq_lens=(64, 128) if args.quick else (128, 512, 1024),
+                                   log=None if args.json else print)
+        text = None
+    elif args.suite == "kernels":
         results = run_kernels(quick=args.quick)
         text = format_results(results)
     elif args.suite == "gpu-launches":
@@ -511,7 +519,7 @@ def cmd_bench(args):
     if args.json:
         for r in results:
             print(json.dumps(r))
-    else:
+    elif text is not None:
         print(text)
     return results
 

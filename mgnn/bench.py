@@ -445,3 +445,46 @@ def format_gpu_launches(results):
     lines.append("(second step; host ms include the MGRIT engine's strided vector operations, "
                  "run here as NumPy work: CuPy launches on a GPU, not counted as launches)")
     return "\n".join(lines)
+
+
+def bench_gru_coarse(seq_lens=(128, 512, 1024), cfs=(2, 4, 8), hidden=32, in_features=4,
+                     batch=16, cycles=5, levels=2, seed=0, log=None):
+    """The coarse-propagator study of docs/recurrent.md: forward and adjoint residual per cycle
+    (XBraid's r_k) of a GRU over sequence time, for each coarse propagator, sequence length and
+    cf (float64, numba, PyTorch's initialisation, random inputs, FCF relaxation).
+
+    Returns
+    -------
+    list of dict: seq_len, cf, coarse, forward, adjoint (lists of floats), seconds.
+    """
+    from . import MGRITOptions, gru_classifier
+    rng = np.random.default_rng(seed)
+    rows = []
+    for L in seq_lens:
+        x = rng.standard_normal((batch, L, in_features))
+        y = rng.integers(0, 4, batch)
+        for cf in cfs:
+            for coarse in ("rediscretise", "implicit"):
+                model = gru_classifier(in_features, hidden, 4, L, coarse=coarse, seed=seed + 1)
+                opts = MGRITOptions(cf=cf, max_levels=levels, tol=0.0, max_iter=cycles)
+                lp = LayerParallel(model, fwd=opts, bwd=opts, backend="numba")
+                t0 = time.perf_counter()
+                lp.loss_and_grad(x, y)
+                rows.append({"seq_len": L, "cf": cf, "coarse": coarse,
+                             "forward": lp.stats["forward"]["residuals"],
+                             "adjoint": lp.stats["adjoint"]["residuals"],
+                             "seconds": time.perf_counter() - t0})
+                if log:
+                    log(format_gru_coarse(rows[-1:], header=len(rows) == 1))
+    return rows
+
+
+def format_gru_coarse(rows, header=True):
+    """Markdown table rows of :func:`bench_gru_coarse`."""
+    out = ["| L | cf | coarse | forward r_0 .. | adjoint r_0 .. |", "|---|---|---|---|---|"] \
+        if header else []
+    for r in rows:
+        out.append(f"| {r['seq_len']} | {r['cf']} | {r['coarse']} | "
+                   + " ".join(f"{v:.1e}" for v in r["forward"]) + " | "
+                   + " ".join(f"{v:.1e}" for v in r["adjoint"]) + " |")
+    return "\n".join(out)

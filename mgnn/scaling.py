@@ -18,7 +18,9 @@ import numpy as np
 from .backend import get_backend
 from .bench import median_time
 from .mgrit import MGRITOptions, level_sizes, solve_critical_path
-from .network import AdjointPropagator, ForwardPropagator, LayerParallel, dense_resnet
+from .blocks.composed import StepContext
+from .network import (AdjointPropagator, ForwardPropagator, LayerParallel, dense_resnet,
+                      gru_classifier)
 from .pipeline import PipelineParallel
 
 #: Every output field, as ``--help`` and the JSON header document it.
@@ -27,6 +29,8 @@ FIELDS = {
     "method": "serial | layerwise (each rank its block, sequential hand-off) | pipeline "
               "(GPipe, M micro-batches) | mgrit (layer-parallel MGRIT, overlap on) | "
               "mgrit-nooverlap",
+    "model": "dense (ResNet over layers) | gru (GRU over N time steps, hidden = width; no "
+             "pipeline baseline)",
     "ranks": "MPI processes P used for the point",
     "micro_batches": "M for the pipeline (0 otherwise)",
     "n_layers": "residual layers N", "width": "state width", "batch": "batch size",
@@ -76,14 +80,30 @@ def _time_step(obj, x, y, comm, repeats):
     return float(np.median(times))
 
 
+def _problem(cfg):
+    """(model, x, y) of a configuration: the dense ResNet (width w, N layers, inputs of size
+    w), or with ``cfg['model'] == 'gru'`` a GRU over N time steps (hidden w, 4 features)."""
+    rng = np.random.default_rng(0)
+    if cfg.get("model", "dense") == "gru":
+        model = gru_classifier(4, cfg["width"], 10, cfg["n_layers"], seed=0)
+        x = rng.standard_normal((cfg["batch"], cfg["n_layers"], 4))
+    else:
+        model = dense_resnet(cfg["width"], cfg["width"], 10, cfg["n_layers"], dtype="float64",
+                             seed=0)
+        x = rng.standard_normal((cfg["batch"], cfg["width"]))
+    return model, x, rng.integers(0, 10, cfg["batch"])
+
+
 def _calibrate(model, x, comm):
     """(t_step, t_msg) in seconds, measured on the ranks of ``comm`` at once."""
     bk = get_backend("numba")
-    u = np.ascontiguousarray(np.tanh(x))
-    steps = model.group("steps")
-    d = model.step.deriv(steps["weight"][0], steps["bias"][0], u, bk)
-    fp = ForwardPropagator(model, bk)
-    ap = AdjointPropagator(model, {model.n_layers - 1: u}, {model.n_layers - 1: d}, bk)
+    N = model.n_layers
+    u = np.tanh(np.random.default_rng(1).standard_normal(model.step.state_shape(x.shape[0])))
+    ctx = StepContext(buffers=model.group_buffers())
+    ctx.begin(x)
+    d = model.step.linearize(model.step_params(), N - 1, u, bk, ctx)
+    fp = ForwardPropagator(model, bk, ctx)
+    ap = AdjointPropagator(model, {N - 1: u}, {N - 1: d}, bk, ctx)
     t = 0.5 * (median_time(lambda: fp.step(u, 0, 1, 0), repeats=5)
                + median_time(lambda: ap.step(u, 0, 1, 0), repeats=5))
     if comm is None or comm.Get_size() == 1:
@@ -134,11 +154,7 @@ def study_point(comm, cfg, repeats):
     """
     P = 1 if comm is None else comm.Get_size()
     rank = 0 if comm is None else comm.Get_rank()
-    model = dense_resnet(cfg["width"], cfg["width"], 10, cfg["n_layers"], dtype="float64",
-                         seed=0)
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((cfg["batch"], cfg["width"]))
-    y = rng.integers(0, 10, cfg["batch"])
+    model, x, y = _problem(cfg)
     common = dict(cf=cfg["cf"], max_levels=cfg["levels"], nrelax=[0, 1], tol=0.0,
                   skip_downcycle=True)
     fwd = MGRITOptions(max_iter=cfg["fwd_iters"], **common)
@@ -146,7 +162,7 @@ def study_point(comm, cfg, repeats):
     runs = {}
     if P > 1:
         runs["layerwise"] = LayerParallel(model, comm=comm)
-    for M in cfg["micro"]:
+    for M in (cfg["micro"] if model.step.fused else ()):  # GPipe: residual networks only
         if M <= cfg["batch"]:
             runs[f"pipeline-{M}"] = PipelineParallel(model, comm=comm, micro_batches=M)
     runs["mgrit"] = LayerParallel(model, fwd=fwd, bwd=bwd, comm=comm)
@@ -156,7 +172,7 @@ def study_point(comm, cfg, repeats):
     if comm is not None:
         _sleeping_barrier(comm)
     rows = [{"method": "serial", "micro_batches": 0, "key": "serial", "ranks": P,
-             "time_s": serial_t, "exposed_halo_pct": 0.0,
+             "time_s": serial_t, "exposed_halo_pct": 0.0, "model": cfg.get("model", "dense"),
              **{k: cfg[k] for k in ("n_layers", "width", "batch", "levels", "cf",
                                     "fwd_iters", "bwd_iters")}}]
     for name, obj in runs.items():
@@ -176,6 +192,7 @@ def study_point(comm, cfg, repeats):
                      "micro_batches": int(name.split("-")[1]) if name.startswith("pipeline")
                      else 0, "key": name, "ranks": P, "time_s": t, "exposed_halo_pct": exposed,
                      **phases,
+                     "model": cfg.get("model", "dense"),
                      **{k: cfg[k] for k in ("n_layers", "width", "batch", "levels", "cf",
                                             "fwd_iters", "bwd_iters")}})
     t_step, t_msg = _calibrate(model, x, comm)
@@ -390,10 +407,7 @@ def write_outputs(out_dir, rows, verdict_rows, residuals, meta):
 
 def residual_histories(cfg, cycles=10):
     """Forward and adjoint residual histories of the base configuration (one process)."""
-    model = dense_resnet(cfg["width"], cfg["width"], 10, cfg["n_layers"], dtype="float64", seed=0)
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((cfg["batch"], cfg["width"]))
-    y = rng.integers(0, 10, cfg["batch"])
+    model, x, y = _problem(cfg)
     out = {}
     for levels in sorted({2, cfg["levels"]}):
         opts = MGRITOptions(cf=cfg["cf"], max_levels=levels, nrelax=[0, 1], tol=0.0,
@@ -420,7 +434,8 @@ def plan(base, ranks, quick, sweeps):
 def main(args, log=print):
     """Entry point of ``bench scaling`` (see ``python -m mgnn bench --help``)."""
     ranks = [int(p) for p in args.ranks.split(",")]
-    base = dict(n_layers=args.n_layers, width=args.width, batch=args.batch, levels=args.levels,
+    base = dict(model=getattr(args, "model", "dense"), n_layers=args.n_layers, width=args.width,
+                batch=args.batch, levels=args.levels,
                 cf=args.cf, fwd_iters=args.fwd_iters, bwd_iters=args.bwd_iters,
                 micro=[int(m) for m in args.micro.split(",")])
     sweeps = {}

@@ -125,3 +125,15 @@ def test_bad_input():
         lp.loss_and_grad(np.zeros((2, 8)), y)
     with pytest.raises(ValueError, match=r"expected \(B,\) \+ \(8, 3\)"):
         lp.loss_and_grad(np.zeros((2, 7, 3)), y)
+
+
+def test_coarse_study_converges_and_implicit_is_faster_at_cf4():
+    from mgnn.bench import bench_gru_coarse, format_gru_coarse
+    rows = bench_gru_coarse(seq_lens=(64,), cfs=(4,), hidden=8, batch=4, cycles=4)
+    by = {r["coarse"]: r for r in rows}
+    for r in rows:
+        for part in ("forward", "adjoint"):
+            res = r[part]
+            assert len(res) == 4 and all(b < a for a, b in zip(res, res[1:]))
+    assert by["implicit"]["forward"][-1] < by["rediscretise"]["forward"][-1]
+    assert "| 64 | 4 | implicit |" in format_gru_coarse(rows)
