@@ -8,8 +8,8 @@ import os
 import numpy as np
 import pytest
 
-from mgnn.backend import RECURRENT_KERNELS, available_backends, get_backend, to_host
-from tests.backend.test_bn_kernels import _gpu_geometry_backend
+from mgnn.backend import RECURRENT_KERNELS, available_backends, get_backend
+from tests.backend.test_bn_kernels import call_kernel, poisoned_backend
 from tests.conftest import SHARED, assert_close
 
 DTYPES = ["float32", "float64"]
@@ -44,24 +44,10 @@ class _ParallelNumba:
 
 
 def _backend(name):
-    """Backend ``name``; RawKernel backends fill new outputs with NaN (an unwritten element
-    fails the comparison)."""
-    if name not in _made:
-        if name == "numba-parallel":
-            bk = _ParallelNumba()
-        else:
-            bk = _gpu_geometry_backend() if name.endswith("gpu-geometry") else get_backend(name)
-        if hasattr(bk, "poison_outputs"):
-            bk.poison_outputs = True
-        _made[name] = bk
-    return _made[name]
+    return poisoned_backend(name, _made, {"numba-parallel": _ParallelNumba})
 
 
-def _call(bk, name, *args):
-    """``bk.name(*args)`` with the arrays moved to the backend's array module and back."""
-    xp = getattr(bk, "xp", np)
-    out = getattr(bk, name)(*(xp.asarray(a) if isinstance(a, np.ndarray) else a for a in args))
-    return tuple(to_host(o) for o in out)
+_call = call_kernel
 
 
 # ------------------------------------------------------------------ the formulas (float64)

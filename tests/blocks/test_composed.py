@@ -10,10 +10,9 @@ from mgnn import MGRITOptions, gradcheck
 from mgnn.backend import available_backends, get_backend
 from mgnn.blocks.composed import (Activation, Affine, BatchNorm, ComposedStep, Dropout,
                                   StepContext)
+from tests.conftest import SHARED
 
-REF = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "reference", "torch",
-                   "bn_conv_resnet.npz")
-REF = os.environ.get("MGNN_TORCH_REFERENCE", REF)
+REF = os.path.join(SHARED, "reference", "torch", "bn_conv_resnet.npz")
 BACKENDS = [b for b in ("numpy", "numba", "cuda-emulated") if b in available_backends()]
 
 

@@ -8,9 +8,9 @@ import pytest
 import mgnn
 from mgnn import MGRITOptions, gradcheck
 from mgnn.backend import available_backends
+from tests.conftest import SHARED
 
-TORCH = os.environ.get("MGNN_TORCH_REFERENCE_DIR", os.path.join(
-    os.path.dirname(__file__), "..", "..", "..", "shared", "reference", "torch"))
+TORCH = os.path.join(SHARED, "reference", "torch")
 BACKENDS = [b for b in ("numpy", "numba", "cuda-emulated") if b in available_backends()]
 CONVERGED = MGRITOptions(cf=2, max_levels=3, tol=1e-13, max_iter=40)
 
