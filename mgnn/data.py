@@ -176,14 +176,14 @@ def load_synthetic(n_train=512, n_test=128, image_size=(8, 8), n_classes=4, seed
     return Dataset("synthetic", *draw(n_train), *draw(n_test), n_classes)
 
 
-def load_sine(seq_len=512, n_train=2048, n_test=512, n_classes=4, noise=2.0, seed=0):
+def load_sine(seq_len=512, n_train=2048, n_test=512, n_classes=4, noise=1.0, seed=0):
     """Seeded long-sequence task: which of ``n_classes`` frequencies a noisy sinusoid has.
 
     Sample i is ``sin(2 pi f_k t / 64 + phase) + noise * N(0, 1)`` at t = 0..L-1 with
-    f_k = 1 + k / n_classes (cycles per 64 steps) and a uniform random phase; stored as
-    (n, 1, 1, L) (one feature per step). The noise (standard deviation 2 against amplitude 1)
-    hides the frequency in any short window: a classifier has to integrate over many steps,
-    and the best possible accuracy grows with L. Chance level: 1 / n_classes.
+    f_k = k + 1 (cycles per 64 steps) and a uniform random phase; stored as (n, 1, 1, L)
+    (one feature per step). The noise (standard deviation 1 against amplitude 1) hides the
+    frequency in a short window: a classifier has to integrate over many steps, and the best
+    possible accuracy grows with L. Chance level: 1 / n_classes.
     """
     seq_len = _check_count("seq_len", seq_len, least=2)
     n_train, n_test = _check_count("n_train", n_train), _check_count("n_test", n_test)
@@ -193,7 +193,7 @@ def load_sine(seq_len=512, n_train=2048, n_test=512, n_classes=4, noise=2.0, see
 
     def draw(n):
         y = rng.integers(0, n_classes, size=n)
-        f = 1.0 + y / n_classes
+        f = 1.0 + y
         phase = rng.uniform(0, 2 * np.pi, size=n)
         x = np.sin(2 * np.pi * f[:, None] * t / 64.0 + phase[:, None])
         x += noise * rng.standard_normal(x.shape)
