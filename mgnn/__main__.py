@@ -42,6 +42,8 @@ def _train_parser(sub):
     a("--optimizer", choices=["sgd", "adam"], default="adam")
     a("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
     a("--weight-decay", type=float, default=0.0)
+    a("--clip-grad", type=float, default=None, metavar="NORM",
+      help="clip the gradient's global 2-norm (over all ranks) to NORM (default: no clipping)")
     a("--data", choices=["digits", "mnist", "synthetic", "sine"], default="digits",
       help="data set (default digits, embedded via scikit-learn)")
     a("--data-dir", default=None, help="folder with the MNIST IDX files (or $MGNN_MNIST_DIR)")
@@ -147,7 +149,7 @@ _INT_BOUNDS = {"layers": (1, None), "n_layers": (1, None), "width": (1, None),
 _FLOAT_BOUNDS = {"t_final": (0.0, False, None, False), "lr": (0.0, False, None, False),
                  "momentum": (0.0, True, 1.0, False), "weight_decay": (0.0, True, None, False),
                  "fwd_tol": (0.0, True, None, False), "bwd_tol": (0.0, True, None, False),
-                 "dropout": (0.0, True, 1.0, False)}
+                 "dropout": (0.0, True, 1.0, False), "clip_grad": (0.0, False, None, False)}
 
 
 def _check_args(args, parser):
@@ -232,7 +234,7 @@ def _check_memory(args, ds, layer_ranks):
 
 # options that change how a resumed run continues: checked against the checkpoint
 _RESUME_KEYS = ("lr", "batch_size", "momentum", "weight_decay", "data", "limit_train", "seed",
-                "warm_start", "sync_bn")
+                "warm_start", "sync_bn", "clip_grad")
 
 
 def _resume_meta(args, lr):
@@ -442,7 +444,7 @@ def cmd_train(args, comm=None):
     hist = fit(lp, opt, xtr, ds.y_train, xte, ds.y_test, epochs=args.epochs,
                batch_size=args.batch_size, rng=rng, start_epoch=start, step=step,
                checkpoint=args.checkpoint, log=log, progress=not args.no_progress and rank == 0,
-               meta=meta, timings=timings)
+               meta=meta, timings=timings, clip_grad=args.clip_grad)
     train_s = time.perf_counter() - t0
     from .train import evaluate
     acc = hist[-1]["test_accuracy"] if hist else evaluate(lp, xte, ds.y_test)

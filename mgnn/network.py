@@ -1165,6 +1165,16 @@ class LayerParallel:
             _allreduce_staged(lay.layer_comm, out.flat)
         return out
 
+    def grad_norm(self, grads):
+        """Collective over the layer ranks: the 2-norm of the whole gradient ``grads`` (from
+        :meth:`loss_and_grad`; every entry counted once, from its owner), the same float on
+        every rank (what gradient clipping needs)."""
+        xp, lay = self.xp, self.layout
+        sq = float(xp.sum(xp.where(self.owned, grads.flat, 0) ** 2))
+        if lay.layer_comm is not None and lay.layer_size > 1:
+            sq = lay.layer_comm.allreduce(sq)
+        return sq ** 0.5
+
     def gather_buffers(self):
         """The model's buffers (running statistics) as held by their layers' owners in replica
         0, on every rank: a new 1-D array laid out like ``model.buffers.flat``."""

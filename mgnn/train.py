@@ -326,7 +326,7 @@ def _add_timings(total, stats):
 
 def fit(lp, optimizer, x_train, y_train, x_test, y_test, *, epochs, batch_size, rng,
         start_epoch=0, step=0, checkpoint=None, log=None, progress=True, meta=None,
-        timings=None):
+        timings=None, clip_grad=None):
     """Train ``lp.model`` for epochs ``start_epoch .. epochs-1``.
 
     Parameters
@@ -347,12 +347,19 @@ def fit(lp, optimizer, x_train, y_train, x_test, y_test, *, epochs, batch_size, 
         Receives one line per epoch.
     timings : dict or None
         If given, the per-phase seconds of every step (``lp.stats['timings']``) are summed in.
+    clip_grad : float or None
+        Scale every gradient whose global 2-norm (:meth:`LayerParallel.grad_norm`, over all
+        ranks) exceeds this down to it (PyTorch's ``clip_grad_norm_``): recurrent networks over
+        long sequences need it.
 
     Returns
     -------
     list of dict
         Per epoch: epoch, loss (mean over batches), test_accuracy, seconds, ms_per_batch.
     """
+    if clip_grad is not None and not (isinstance(clip_grad, (int, float)) and clip_grad > 0
+                                      and np.isfinite(clip_grad)):
+        raise ValueError(f"clip_grad must be a positive number or None, got {clip_grad!r}")
     history = []
     x_train, y_train = lp.to_device(x_train), lp.to_device(y_train)  # moved once, not per batch
     x_test, y_test = lp.to_device(x_test), lp.to_device(y_test)
@@ -384,6 +391,10 @@ def fit(lp, optimizer, x_train, y_train, x_test, y_test, *, epochs, batch_size, 
             if not np.isfinite(loss):
                 raise FloatingPointError(f"loss became {loss} at epoch {epoch + 1}, batch {j + 1} of "
                                          f"{len(idx)}")
+            if clip_grad is not None:
+                norm = lp.grad_norm(grads)
+                if norm > clip_grad:
+                    grads.flat *= grads.flat.dtype.type(clip_grad / norm)
             optimizer.step(grads.flat)
             total += loss
             step += 1

@@ -184,3 +184,21 @@ def test_fit_skips_a_batch_that_batch_norm_cannot_normalise():
     with pytest.raises(TypeError, match="eps must be a real number"):
         mgnn.dense_resnet(4, 3, 4, 2, batch_norm=True, bn_eps=True)
     mgnn.dense_resnet(4, 3, 4, 2, batch_norm=True, bn_eps=np.float32(1e-5))
+
+
+def test_clip_grad_scales_the_update_to_the_norm():
+    ds = mgnn.load_synthetic(n_train=32, n_test=8, image_size=(2, 2), seed=0)
+    model = mgnn.gru_classifier(1, 4, 4, 4, seed=0)
+    lp = mgnn.LayerParallel(model)
+    x = ds.as_model_input(ds.x_train, "gru", "float64", seq_len=4)
+    xt = ds.as_model_input(ds.x_test, "gru", "float64", seq_len=4)
+    before = model.params.flat.copy()
+    _, g = lp.loss_and_grad(x, ds.y_train)
+    assert lp.grad_norm(g) == pytest.approx(np.linalg.norm(g.flat), rel=1e-14)
+    assert lp.grad_norm(g) > 1e-3
+    mgnn.fit(lp, mgnn.SGD(model.params.flat, lr=1.0), x, ds.y_train, xt, ds.y_test, epochs=1,
+             batch_size=32, rng=np.random.default_rng(0), progress=False, clip_grad=1e-3)
+    assert np.linalg.norm(model.params.flat - before) == pytest.approx(1e-3, rel=1e-12)
+    with pytest.raises(ValueError, match="clip_grad must be a positive number"):
+        mgnn.fit(lp, mgnn.SGD(model.params.flat, lr=1.0), x, ds.y_train, xt, ds.y_test,
+                 epochs=1, batch_size=32, rng=np.random.default_rng(0), clip_grad=0.0)

@@ -465,6 +465,7 @@ def case_recurrent():
             full = lp.gather(g)
             for k in g1:
                 _close(full[k], g1[k], 1e-11, f"{what} gathered grad {k}")
+            _close(lp.grad_norm(g), np.linalg.norm(g1.flat), 1e-11, f"{what} gradient norm")
             if not np.array_equal(lp.predict(x), single.predict(x)):
                 raise AssertionError(f"rank {RANK}: {what} predictions differ")
             checked += 1
