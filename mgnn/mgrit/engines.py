@@ -109,6 +109,11 @@ class ListEngine:
         L = self.solver.levels[lev]
         return self.store(L, template), self.store(L, template), self.store(L, template)
 
+    def residual_store(self, lev, template):
+        """A store with level ``lev``'s slots holding states shaped like ``template`` (the fine
+        residuals at the C-points before restriction)."""
+        return self.store(self.solver.levels[lev], template)
+
     def copy_store(self, src, dst):
         """dst = src slot by slot (the coarse iterate starts from the injected states)."""
         dst[:] = src
@@ -124,6 +129,33 @@ class ListEngine:
             Uf[fine0 + q * stride] = u
         s._vector_seconds += time.perf_counter() - t0
 
+    # spatial coarsening (a propagator with restrict/interpolate): level lev -> lev + 1 and back
+    def inject_restricted(self, Uf, V, fine0, stride, coarse0, k, lev):
+        """V[coarse0 + q] = restrict(Uf[fine0 + q stride], lev), q < k."""
+        restrict = self.solver.prop.restrict
+        for q in range(k):
+            self.set(V, coarse0 + q, self.solver._restricted(restrict(Uf[fine0 + q * stride], lev),
+                                                             lev), copy=False)
+
+    def restrict_slots(self, Rf, Gc, slots, lev):
+        """Gc[o] = restrict(Rf[o], lev) for the slots ``o`` (the fine residuals at C-points)."""
+        restrict = self.solver.prop.restrict
+        for o in slots:
+            self.set(Gc, o, self.solver._restricted(restrict(Rf[o], lev), lev), copy=False)
+
+    def correct_interpolated(self, Uf, Uc, V, fine0, stride, coarse0, k, lev):
+        """Uf[fine0 + q stride] += interpolate(Uc[coarse0 + q] - V[coarse0 + q], lev), q < k."""
+        s = self.solver
+        interpolate = s.prop.interpolate
+        for q in range(k):
+            e = interpolate(Uc[coarse0 + q] - V[coarse0 + q], lev)
+            s._check_state(e, lambda: f"{type(s.prop).__name__}.interpolate(e, level={lev}) "
+                                      "returned", lev)
+            self._add_into(Uf, fine0 + q * stride, e)
+
+    def _add_into(self, U, slot, e):
+        U[slot] = U[slot] + e
+
     # propagator
     def phi(self, u, j, lev):
         """Step out of level point j (fine index j s) to point j+1 (checked; ``u`` untouched)."""
@@ -132,7 +164,7 @@ class ListEngine:
         t0 = time.perf_counter()
         out = self.prop.step(u if self.fresh else u.copy(), j * st, (j + 1) * st, lev)
         s._step_seconds += time.perf_counter() - t0
-        t = s._template  # the common case inline: a step costs ~1 us in Python already
+        t = s._templates[lev]  # the common case inline: a step costs ~1 us in Python already
         if type(out) is not type(t) or out.shape != t.shape or out.dtype != t.dtype or out is u:
             self.checked(out, u, j * st, (j + 1) * st, lev, "step")
         return out
@@ -155,7 +187,7 @@ class ListEngine:
             raise TypeError(f"{type(self.prop).__name__}.step_batch(us, starts, stops, "
                             f"level={lev}) returned {describe(out)} for {len(js)} states: it "
                             "must return a list of one state per u")
-        t = s._template
+        t = s._templates[lev]
         kind, shape, dtype = type(t), t.shape, t.dtype
         for v, u, a, b in zip(out, states, starts, stops):  # inline as in phi: per state
             if type(v) is not kind or v.shape != shape or v.dtype != dtype or v is u:
@@ -168,7 +200,7 @@ class ListEngine:
         one, serial arithmetic would cast) that the solver may keep."""
         name = type(self.prop).__name__
         self.solver._check_state(out, lambda: f"{name}.{method}(u, {start}, {stop}, "
-                                               f"level={lev}) returned")
+                                               f"level={lev}) returned", lev)
         if out is u:
             if self.fresh:
                 raise TypeError(
@@ -340,9 +372,19 @@ class StackedEngine(ListEngine):
             stores = self._scratch[key] = super().coarse_stores(lev, template)
         return stores
 
+    def residual_store(self, lev, template):
+        key = ("residual", lev, template.shape, template.dtype.str)
+        store = self._scratch.get(key)
+        if store is None:
+            store = self._scratch[key] = super().residual_store(lev, template)
+        return store
+
     def copy_store(self, src, dst):
         if src is not None:
             dst[...] = src
+
+    def _add_into(self, U, slot, e):
+        U[slot] += e
 
     def correct(self, Uf, Uc, V, fine0, stride, coarse0, k):
         if not k:
@@ -370,7 +412,7 @@ class StackedEngine(ListEngine):
 
     def gather_level(self, lev, U, G, counts, displs, n):
         L = self.solver.levels[lev]
-        t = self.solver._template
+        t = self.solver._templates[lev]
         key = ("full", lev, t.shape, t.dtype.str)
         bufs = self._scratch.get(key)
         if bufs is None:

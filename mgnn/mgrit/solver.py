@@ -176,6 +176,14 @@ class MGRITSolver:
       returns ``[Phi(us[p]) + rhs[p]]`` (one launch instead of two; single points with a
       right-hand side go through it too); ``rhs`` is read-only.
 
+      ``restrict(u, level)`` and ``interpolate(e, level)`` (both, or neither): spatial
+      coarsening (XBraid's coarsen/refine). Level l + 1 then holds states of the shape
+      ``restrict`` returns (one shape and dtype per level, checked); ``restrict`` maps a level-l
+      state to level l + 1 and ``interpolate`` a level-(l + 1) correction back. The coarse
+      level starts from the restricted C-point values v_i = R(u_{cf i}), its FAS right-hand
+      side is R(r_{cf i}) + v_i - Phi_c(v_{i-1}) with r the fine residual, and the correction is
+      u_{cf i} += P(u^c_i - v_i). Both must return new arrays (never modify their input).
+
     Parameters
     ----------
     propagator : object with ``step(u, start, stop, level)``
@@ -234,6 +242,11 @@ class MGRITSolver:
         n_steps = self.sizes[0]
         self.prop, self.n_steps = propagator, n_steps
         self.pull = bool(getattr(propagator, "pull", False))
+        # spatial coarsening: coarse levels hold states of other shapes (XBraid's
+        # coarsen/refine): restrict(u, l) maps level l to l + 1, interpolate(e, l) back
+        self._spatial = all(callable(getattr(propagator, m, None))
+                            for m in ("restrict", "interpolate"))
+        self._templates_key = None
         self._stacked = bool(getattr(propagator, "stacked", False)) and all(
             callable(getattr(propagator, m, None)) for m in ("advance", "points"))
         self.xp, self.reuse_states = xp, bool(reuse_states)
@@ -278,14 +291,54 @@ class MGRITSolver:
         self._step_seconds = 0.0
 
     # ---------------------------------------------------------------------------- primitives
-    def _check_state(self, v, what):
-        """TypeError unless ``v`` is an array of u0's library, shape and dtype; ``what()`` names
-        where it came from (built only for the message)."""
-        t = self._template
+    @property
+    def _template(self):
+        """The level-0 template (u0 of the current solve)."""
+        return self._templates[0]
+
+    @_template.setter
+    def _template(self, u0):
+        self._templates = [u0] * len(self.sizes)
+
+    def _check_state(self, v, what, lev=0):
+        """TypeError unless ``v`` is an array of u0's library and dtype and of level ``lev``'s
+        shape; ``what()`` names where it came from (built only for the message)."""
+        t = self._templates[lev]
         if ((type(v) is not type(t) and _family(v) != _family(t))
                 or getattr(v, "shape", None) != t.shape or getattr(v, "dtype", None) != t.dtype):
-            raise TypeError(f"{what()} {describe(v)}, but u0 is {describe(t)}: every state "
-                            "must match u0 (no silent casts)")
+            if t is self._templates[0]:
+                raise TypeError(f"{what()} {describe(v)}, but u0 is {describe(t)}: every state "
+                                "must match u0 (no silent casts)")
+            raise TypeError(f"{what()} {describe(v)}, but a level-{lev} state (the restriction "
+                            f"of u0) is {describe(t)}: every state of level {lev} must match it "
+                            "(no silent casts)")
+
+    def _restricted(self, v, lev):
+        """``v``, what ``propagator.restrict(u, lev)`` returned, checked as a level lev+1 state."""
+        self._check_state(v, lambda: f"{type(self.prop).__name__}.restrict(u, level={lev}) "
+                                     "returned", lev + 1)
+        return v
+
+    def _level_templates(self, u0):
+        """[u0, restrict(u0, 0), restrict(restrict(u0, 0), 1), ...] (one template per level;
+        [u0] * levels without spatial coarsening); built once per u0 shape and dtype."""
+        n = len(self.sizes)
+        if not self._spatial:
+            return [u0] * n
+        key = (type(u0), u0.shape, u0.dtype.str)
+        if self._templates_key != key:
+            out = [u0]
+            for lev in range(n - 1):
+                t = self.prop.restrict(out[-1], lev)
+                if ((type(t) is not type(u0) and _family(t) != _family(u0))
+                        or getattr(t, "dtype", None) != u0.dtype
+                        or not isinstance(getattr(t, "shape", None), tuple)):
+                    raise TypeError(f"{type(self.prop).__name__}.restrict(u, level={lev}) "
+                                    f"returned {describe(t)}, but u0 is {describe(u0)}: a "
+                                    "coarse state must be an array of u0's kind and dtype")
+                out.append(t)
+            self._templates_cache, self._templates_key = out, key
+        return [u0] + self._templates_cache[1:]
 
     def _plan(self, lev, name, target):
         """The cached :class:`Plan` of sweep ``name`` on level ``lev`` (targets ``target(j)``)."""
@@ -327,7 +380,7 @@ class MGRITSolver:
         if L.a >= L.b:
             return
         t = tag(name, lev)
-        recv = halo.irecv(self._template, L.left, t) if plan.need_left else None
+        recv = halo.irecv(self._templates[lev], L.left, t) if plan.need_left else None
         if recv is not None and not self.overlap:
             recv = (_Done(), halo.wait(recv), time.perf_counter())
         sends = []
@@ -363,7 +416,7 @@ class MGRITSolver:
         if L.a >= L.b:
             return 0.0
         t = tag(name, lev)
-        recv = halo.irecv(self._template, L.left, t) if plan.need_left else None
+        recv = halo.irecv(self._templates[lev], L.left, t) if plan.need_left else None
         if recv is not None and not self.overlap:
             recv = (_Done(), halo.wait(recv), time.perf_counter())
         send = (halo.isend(eng.boundary(lev, U, self.pull, plan), L.right, t)
@@ -427,14 +480,21 @@ class MGRITSolver:
         """
         cf, eng = self.options.cf, self.engine
         C = self.levels[lev + 1]
-        V, Gc, Uc = eng.coarse_stores(lev + 1, self._template)
+        V, Gc, Uc = eng.coarse_stores(lev + 1, self._templates[lev + 1])
         f0, c0, k = self._coarse_range(lev, C.a)
-        eng.inject(U, V, f0, cf, c0, k)
+        if self._spatial:
+            eng.inject_restricted(U, V, f0, cf, c0, k, lev)
+        else:
+            eng.inject(U, V, f0, cf, c0, k)
         r2 = 0.0
         if fas:
             self._f_relax(U, G, lev)
-            r2 = self._apply(lev, U, G, Gc, lambda j: j % cf == 0, "residual", 0,
+            # the fine residual at the C-points, restricted when the levels differ in space
+            R = eng.residual_store(lev + 1, self._templates[lev]) if self._spatial else Gc
+            r2 = self._apply(lev, U, G, R, lambda j: j % cf == 0, "residual", 0,
                              lambda j: j // cf - C.a + 1)
+            if self._spatial:
+                eng.restrict_slots(R, Gc, [i - C.a + 1 for i in range(max(C.a, 1), C.b)], lev)
             self._apply(lev + 1, V, None, Gc, lambda i: True, "fas_rhs", 1,
                         lambda i: i - C.a + 1)
         eng.copy_store(V, Uc)
@@ -466,7 +526,10 @@ class MGRITSolver:
             self._f_relax(Uc, Gc, lev + 1)
         C = self.levels[lev + 1]
         f0, c0, k = self._coarse_range(lev, max(C.a, 1))
-        self.engine.correct(U, Uc, V, f0, o.cf, c0, k)
+        if self._spatial:
+            self.engine.correct_interpolated(U, Uc, V, f0, o.cf, c0, k, lev)
+        else:
+            self.engine.correct(U, Uc, V, f0, o.cf, c0, k)
         return r2
 
     # ----------------------------------------------------------------------------------- solve
@@ -534,7 +597,7 @@ class MGRITSolver:
         N = self.n_steps
         if not hasattr(u0, "shape") or not hasattr(u0, "dtype"):
             raise TypeError(f"u0 must be an array, got {type(u0).__name__}")
-        self._template = u0
+        self._templates = self._level_templates(u0)
         eng = self._engine_for(u0)
         L0 = self.levels[0]
         U = self._level0_store(eng, L0, u0)

@@ -160,6 +160,40 @@ def case_solver():
         print(json.dumps({"case": "solver", "ranks": SIZE, "configs": checked}))
 
 
+def case_spatial():
+    """Spatial coarsening (per-level state shapes): push, pull, redundant coarsest level and the
+    stacked-free list engine at SIZE ranks on uneven splits equal the serial solve to 1e-12."""
+    sys.path.insert(0, os.getcwd())
+    from tests.mgrit.spatial_cases import StackedStencil, Stencil
+
+    class Pull(Stencil):
+        pull = True
+
+    class Replica(Stencil):
+        def coarse_replica(self, level):
+            return self
+
+    checked = 0
+    for n_steps, width, levels, cf, spatial, cycle in (
+            (29, 31, 3, 2, (0,), "V"), (37, 16, 3, 2, (0, 1), "F"), (48, 31, 3, 4, (1,), "V"),
+            (40, 15, 4, 2, (0, 2), "V")):
+        opts = MGRITOptions(cf=cf, max_levels=levels, tol=0.0, max_iter=3, min_coarse=2,
+                            cycle=cycle)
+        u0 = np.random.default_rng(n_steps).standard_normal((2, width))
+        serial = MGRITSolver(Stencil(n_steps, spatial).shapes(width, levels), n_steps,
+                             opts).solve(u0)
+        for cls in (Stencil, Pull, Replica, StackedStencil):
+            prop = cls(n_steps, spatial).shapes(width, levels)
+            res = MGRITSolver(prop, n_steps, opts, comm=COMM).solve(u0)
+            _close(res.residuals, serial.residuals, 1e-12, f"spatial residuals {cls.__name__}")
+            for i, st in enumerate(res.states):
+                if st is not None:
+                    _close(st, serial.states[i], 1e-12, f"spatial state {i}")
+            checked += 1
+    if RANK == 0:
+        print(json.dumps({"case": "spatial", "ranks": SIZE, "configs": checked}))
+
+
 def case_reference():
     sys.path.insert(0, os.getcwd())
     from tests.mgrit.test_solver import CASES, _case

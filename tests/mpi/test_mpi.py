@@ -42,6 +42,12 @@ def test_distributed_solver_equals_serial(ranks):
     assert out["ranks"] == ranks and out["configs"] > 100
 
 
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_spatial_coarsening_distributed_equals_serial(ranks):
+    out = _json(mpirun(ranks, "-m", "tests.mpi.mpi_cases", "spatial", timeout=120))
+    assert out["ranks"] == ranks and out["configs"] == 16
+
+
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_reference_cases_distributed(ranks):
     out = _json(mpirun(ranks, "-m", "tests.mpi.mpi_cases", "reference"))
