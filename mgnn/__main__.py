@@ -44,8 +44,11 @@ def _train_parser(sub):
     a("--weight-decay", type=float, default=0.0)
     a("--clip-grad", type=float, default=None, metavar="NORM",
       help="clip the gradient's global 2-norm (over all ranks) to NORM (default: no clipping)")
-    a("--data", choices=["digits", "mnist", "synthetic", "sine"], default="digits",
-      help="data set (default digits, embedded via scikit-learn)")
+    a("--data", choices=["digits", "mnist", "synthetic", "sine", "volumes"], default="digits",
+      help="data set (default digits, embedded via scikit-learn; volumes: synthetic 3D shapes "
+           "for --model conv, docs/data_volumes.md)")
+    a("--volume-size", type=int, default=16, metavar="S",
+      help="volumes: edge of the S^3 volumes (default 16; 15/31 vertex-, 16/32 cell-centred)")
     a("--data-dir", default=None, help="folder with the MNIST IDX files (or $MGNN_MNIST_DIR)")
     a("--limit-train", type=int, default=None, help="use only the first n training samples")
     a("--limit-test", type=int, default=None, help="use only the first n test samples")
@@ -76,6 +79,14 @@ def _train_parser(sub):
     g.add_argument("--coarsest", choices=["redundant", "sequential"], default="redundant",
                    help="coarsest MGRIT level across layer ranks: solved by every rank after one "
                         "allgather (default) or passed along the ranks as a chain")
+    g.add_argument("--spatial-levels", default="", metavar="L1,L2",
+                   help="conv: coarsen the images in space below these MGRIT levels (level l "
+                        "-> l + 1 at half the resolution per axis; e.g. 0 or 0,1; default none)")
+    g.add_argument("--interp", choices=["linear", "nearest"], default="linear",
+                   help="spatial coarsening: interpolation (default linear)")
+    g.add_argument("--restrict", choices=["full", "injection"], default="full",
+                   help="spatial coarsening: restriction (default full: the transpose of "
+                        "--interp, scaled to keep constants)")
     m = p.add_argument_group("MPI (run under mpiexec -n P; P = layer ranks x data ranks)")
     m.add_argument("--layer-ranks", type=int, default=None,
                    help="ranks sharing the layers (default P / data ranks)")
@@ -144,7 +155,7 @@ _INT_BOUNDS = {"layers": (1, None), "n_layers": (1, None), "width": (1, None),
                "limit_test": (1, None), "seed": (0, 2**63 - 1), "levels": (1, 64),
                "cf": (2, None), "fwd_iters": (1, 10**4), "bwd_iters": (1, 10**4),
                "min_coarse": (1, None), "layer_ranks": (1, None), "data_ranks": (1, None),
-               "repeats": (1, 10**6)}
+               "repeats": (1, 10**6), "volume_size": (8, None)}
 # (least, least is allowed, most, most is allowed)
 _FLOAT_BOUNDS = {"t_final": (0.0, False, None, False), "lr": (0.0, False, None, False),
                  "momentum": (0.0, True, 1.0, False), "weight_decay": (0.0, True, None, False),
@@ -172,9 +183,24 @@ def _check_args(args, parser):
                 raise ValueError(f"{flag} must be a finite number {want}, got {v}")
     if getattr(args, "command", None) == "train":
         _nrelax(args)
+        _spatial_levels(args)
         if args.batch_size < args.data_ranks:
             raise ValueError(f"--batch-size {args.batch_size} is smaller than --data-ranks "
                              f"{args.data_ranks}: every data replica needs a sample of each batch")
+
+
+def _spatial_levels(args):
+    """--spatial-levels as a tuple of ints (ValueError naming the flag)."""
+    text = (args.spatial_levels or "").strip()
+    if not text:
+        return ()
+    try:
+        levels = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"--spatial-levels must be comma-separated ints, got {text!r}") from None
+    if args.model != "conv":
+        raise ValueError(f"--spatial-levels {text} needs --model conv, got --model {args.model}")
+    return levels
 
 
 def _nrelax(args):
@@ -188,7 +214,7 @@ def _nrelax(args):
 
 
 #: --seq-len of a recurrent model when not given: the image rows (row-sequential), or sine's 512
-_DEFAULT_SEQ_LEN = {"mnist": 28, "digits": 8, "synthetic": 8, "sine": 512}
+_DEFAULT_SEQ_LEN = {"mnist": 28, "digits": 8, "synthetic": 8, "sine": 512, "volumes": 16}
 
 
 def _check_layer_ranks(args, layer_ranks):
@@ -206,17 +232,19 @@ def _check_memory(args, ds, layer_ranks):
     """A clear error when parameters, optimizer state and a batch's stored states would not fit
     in this machine's memory (an estimate, per rank), instead of an allocation failure."""
     N, B, K = args.layers, args.batch_size, ds.n_classes
-    C, H, W = ds.image_shape
+    C, *spatial = ds.image_shape
+    pixels = int(np.prod(spatial))
     if args.model in ("gru", "rnn"):
         w, k = args.width, args.rnn_layers
-        n_params, state = 3 * (C * H * W + 2 * w * w * k + 2 * w * k) + w * K + K, 8 * w * k
+        n_params, state = 3 * (C * pixels + 2 * w * w * k + 2 * w * k) + w * K + K, 8 * w * k
     elif args.model == "dense":
         w = args.width
-        n_params, state = C * H * W * w + w + N * (w * w + w) + w * K + K, w
+        n_params, state = C * pixels * w + w + N * (w * w + w) + w * K + K, w
     else:
-        c = args.channels
-        n_params = C * c * 9 + c + N * (c * c * 9 + c) + c * (H // args.pool) * (W // args.pool) * K
-        state = c * H * W
+        c, taps = args.channels, 3 ** len(spatial)
+        n_params = (C * c * taps + c + N * (c * c * taps + c)
+                    + c * args.pool ** len(spatial) * K)
+        state = c * pixels
     itemsize = np.dtype(args.dtype).itemsize
     need = itemsize * (5 * n_params + 3 * (N // layer_ranks + 2) * B * state)
     try:
@@ -233,8 +261,8 @@ def _check_memory(args, ds, layer_ranks):
 
 
 # options that change how a resumed run continues: checked against the checkpoint
-_RESUME_KEYS = ("lr", "batch_size", "momentum", "weight_decay", "data", "limit_train", "seed",
-                "warm_start", "sync_bn", "clip_grad")
+_RESUME_KEYS = ("lr", "batch_size", "momentum", "weight_decay", "data", "volume_size",
+                "limit_train", "seed", "warm_start", "sync_bn", "clip_grad")
 
 
 def _resume_meta(args, lr):
@@ -366,12 +394,12 @@ def cmd_train(args, comm=None):
         fwd_bwd = _mgrit_options(args)
         ds = load_dataset(args.data, args.data_dir, seed=args.seed,
                           limit_train=args.limit_train, limit_test=args.limit_test,
-                          seq_len=args.layers)
+                          seq_len=args.layers, volume_size=args.volume_size)
         if len(ds.y_train) < args.data_ranks:
             raise ValueError(f"{len(ds.y_train)} training samples (--limit-train) are fewer than "
                              f"--data-ranks {args.data_ranks}")
         _check_memory(args, ds, layer_ranks)
-        C, H, W = ds.image_shape
+        C, *spatial = ds.image_shape
         if recurrent:
             x_size = ds.as_model_input(ds.x_train[:1], args.model, "float64",
                                        seq_len=args.layers).shape[2]
@@ -380,11 +408,11 @@ def cmd_train(args, comm=None):
             model = make(x_size, args.width, ds.n_classes, args.layers,
                          n_layers=args.rnn_layers, dtype=args.dtype, seed=args.seed)
         elif args.model == "dense":
-            model = dense_resnet(C * H * W, args.width, ds.n_classes, args.layers, args.t_final,
+            model = dense_resnet(int(np.prod(ds.image_shape)), args.width, ds.n_classes, args.layers, args.t_final,
                                  args.activation, args.dtype, args.seed,
                                  batch_norm=args.batch_norm, dropout=args.dropout)
         else:
-            model = conv_resnet(C, args.channels, (H, W), ds.n_classes, args.layers,
+            model = conv_resnet(C, args.channels, tuple(spatial), ds.n_classes, args.layers,
                                 args.t_final, args.activation, args.dtype, args.seed,
                                 pool=args.pool, batch_norm=args.batch_norm,
                                 dropout=args.dropout)
@@ -407,7 +435,9 @@ def cmd_train(args, comm=None):
     lp = _agreed(comm, lambda: LayerParallel(model, fwd=fwd, bwd=bwd, backend=args.backend,
                                              warm_start=args.warm_start, comm=comm,
                                              data_ranks=args.data_ranks,
-                                             coarsest=args.coarsest, sync_bn=args.sync_bn))
+                                             coarsest=args.coarsest, sync_bn=args.sync_bn,
+                                             spatial_levels=_spatial_levels(args),
+                                             interp=args.interp, restrict=args.restrict))
     # after LayerParallel: the cuda backend has moved the parameters to the GPU
     opt = make_optimizer(args.optimizer, model.params.flat, lr, args.momentum, args.weight_decay)
     rng = np.random.default_rng(args.seed)

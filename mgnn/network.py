@@ -10,12 +10,12 @@ import time
 
 import numpy as np
 
-from .backend import check_dtype, get_backend, is_device_array, to_host, vector_ops
+from .backend import check_dtype, get_backend, grid_transfer, is_device_array, to_host, vector_ops
 from .comm import Layout, abort_on_error, agree_on_errors, configure_threads, wait_request
 from .comm.halo import tag
 from .mgrit import DivergenceError, MGRITOptions, MGRITSolver, hierarchy
 from .mgrit.partition import Partition, balanced_starts, block_work, layer_work
-from .blocks import (ConvOpening, ConvStep, DenseClosing, DenseOpening, DenseStep, PoolClosing,
+from .blocks import (Conv3dOpening, ConvOpening, ConvStep, DenseClosing, DenseOpening, DenseStep, PoolClosing,
                      SoftmaxCrossEntropy)
 from .blocks.recurrent import LastHiddenClosing, RecurrentStep, ZeroOpening
 from .blocks.composed import (Activation, Affine, BatchNormAct, ComposedStep, Dropout,
@@ -110,7 +110,7 @@ class Model:
 
     def group(self, prefix):
         """{'weight': ..., 'bias': ...} views of 'opening', 'steps' or 'closing'."""
-        return {k.split(".", 1)[1]: v for k, v in self.params.items() if k.startswith(prefix + ".")}
+        return self.params.group(prefix)
 
     def step_params(self):
         """The step kind's parameters by name (views; 'steps.*' or the shared prefix)."""
@@ -119,7 +119,7 @@ class Model:
     def group_buffers(self):
         """{'running_mean': ..., 'running_var': ...} views of the steps' buffers (empty
         without batch norm)."""
-        return {k.split(".", 1)[1]: v for k, v in self.buffers.items()}
+        return self.buffers.group()
 
     def _initialise(self, seed):
         """Uniform(-1/sqrt(fan_in), 1/sqrt(fan_in)) for every weight and bias (PyTorch's default
@@ -222,17 +222,20 @@ def dense_resnet(in_features, width, n_classes, n_layers, t_final=1.0, activatio
 def conv_resnet(in_channels, channels, image_size, n_classes, n_layers, t_final=1.0,
                 activation="tanh", dtype="float64", seed=0, pool=1, batch_norm=False,
                 dropout=0.0, bn_eps=1e-5, bn_momentum=0.1):
-    """Conv ResNet: sigma(conv3x3(x) + a) to ``channels``, N conv steps, avgpool + affine closing.
+    """Conv ResNet: sigma(conv3x3(x) + a) to ``channels``, N conv steps, avgpool + affine closing;
+    3x3x3 convolutions (NCDHW, PyTorch's Conv3d layout) when ``image_size`` has three entries.
 
     Parameters
     ----------
     in_channels, channels : int
         Input channels ci and state channels C.
-    image_size : (int, int)
-        (H, W) of the input images (kept by every layer: padding 1, stride 1).
+    image_size : (int, int) or (int, int, int)
+        (H, W) of the input images, or (D, H, W) of input volumes (kept by every layer:
+        padding 1, stride 1). 3D: ``steps.weight`` is (N, C, C, 3, 3, 3), the steps are
+        composed of the conv3d and activation blocks (the single-state protocol).
     pool : int
-        The closing averages u_N over a (pool, pool) grid (1 = global average pooling) before the
-        affine map; H and W must be divisible by ``pool``.
+        The closing averages u_N over a pool^d grid (1 = global average pooling) before the
+        affine map; every image axis must be divisible by ``pool``.
     n_classes, n_layers, t_final, activation, dtype, seed
         As in :func:`dense_resnet`.
     batch_norm, dropout, bn_eps, bn_momentum
@@ -243,18 +246,24 @@ def conv_resnet(in_channels, channels, image_size, n_classes, n_layers, t_final=
     in_channels = _positive_int("in_channels", in_channels)
     channels = _positive_int("channels", channels)
     pool = _positive_int("pool", pool)
-    if (not isinstance(image_size, (tuple, list)) or len(image_size) != 2):
-        raise ValueError(f"image_size must be (H, W), got {image_size!r}")
+    if (not isinstance(image_size, (tuple, list)) or len(image_size) not in (2, 3)):
+        raise ValueError(f"image_size must be (H, W) or (D, H, W), got {image_size!r}")
     image_size = tuple(_positive_int("image_size", s) for s in image_size)
-    if image_size[0] % pool or image_size[1] % pool:
+    if any(s % pool for s in image_size):
         raise ValueError(f"image_size {image_size} is not divisible by pool={pool}")
     config = dict(model="conv", in_channels=in_channels, channels=channels,
                   image_size=list(image_size), n_classes=n_classes, n_layers=n_layers,
                   t_final=t_final, activation=activation, dtype=dt.name, pool=pool)
-    step = _residual_kind(ConvStep(channels, image_size, activation), True, channels,
-                          (channels,) + image_size, activation, batch_norm, dropout, bn_eps,
+    state = (channels,) + image_size
+    if len(image_size) == 2:
+        kind, conv, opening = ConvStep(channels, image_size, activation), True, ConvOpening
+    else:  # no stacked 3D kernels: the conv3d block composed with the activation
+        kind = ComposedStep([Affine("conv3d"), Activation(activation)], state,
+                            {"weight": (channels, channels, 3, 3, 3), "bias": (channels,)})
+        conv, opening = "conv3d", Conv3dOpening
+    step = _residual_kind(kind, conv, channels, state, activation, batch_norm, dropout, bn_eps,
                           bn_momentum, config)
-    return Model(ConvOpening(in_channels, channels, image_size, activation), step,
+    return Model(opening(in_channels, channels, image_size, activation), step,
                  PoolClosing(channels, image_size, n_classes, pool), n_layers, t_final, dt, seed,
                  config)
 
@@ -401,6 +410,10 @@ class AdjointPropagator:
 
     coarse_replica = ForwardPropagator.coarse_replica
 
+    def reset(self, states, derivs):
+        """The forward states and linearisation caches of a new training step."""
+        self.U, self.D = states, derivs
+
     def advance(self, L, G, chains, origin, stride, level):
         """Stacked relaxation: slot i is reversed index origin + i stride; the step into it is
         the vjp of layer N - origin - i stride with sigma' from :attr:`derivs`."""
@@ -477,6 +490,106 @@ class CoarseReplica:
         return self.kind.forward(self.W[r], self.second[r], u, h, self.bk)
 
 
+class _SpatialLevels:
+    """Spatial coarsening of a conv model's propagators (mgnn issue 14): level l + 1 of the
+    hierarchy holds images coarsened once more than level l when l is in ``levels``.
+
+    States (B, C, *spatial) with 2 or 3 spatial axes; transfers of
+    :mod:`mgnn.backend.grid_transfer` (odd sizes vertex-centred, even sizes cell-centred).
+    Coarse steps apply the same kernels to the coarse grid. The single-state protocol only (no
+    stacked stores or batched waves: the coarse levels' shapes differ) and a sequential
+    coarsest level.
+    """
+
+    stacked = batched = False
+
+    def _spatial_setup(self, levels, interp, restrict):
+        self.spatial_levels, self.interp, self.restrict_kind = tuple(levels), interp, restrict
+        self._fine_shapes = {}
+
+    def coarsenings(self, level):
+        """How often a level-``level`` state has been coarsened in space."""
+        return sum(1 for lev in self.spatial_levels if lev < level)
+
+    def coarse_replica(self, level):
+        return None
+
+
+class SpatialForwardPropagator(_SpatialLevels, ForwardPropagator):
+    """:class:`ForwardPropagator` with ``restrict`` (the grid transfer R) and ``interpolate``
+    (P) between the levels in ``spatial_levels`` and the next."""
+
+    def __init__(self, model, bk, ctx=None, spatial_levels=(0,), interp="linear",
+                 restrict="full"):
+        ForwardPropagator.__init__(self, model, bk, ctx)
+        self.stacked = self.batched = False
+        self._spatial_setup(spatial_levels, interp, restrict)
+
+    def restrict(self, u, level):
+        """Level ``level`` -> level + 1: R u where the level is coarsened, else a copy."""
+        if level not in self.spatial_levels:
+            return u.copy()
+        self._fine_shapes[level] = u.shape
+        return grid_transfer.restrict(u, self.interp, self.restrict_kind)
+
+    def interpolate(self, e, level):
+        """Level ``level`` + 1 -> level: P e where the level is coarsened, else a copy."""
+        if level not in self.spatial_levels:
+            return e.copy()
+        return grid_transfer.interpolate(e, self._fine_shapes[level][2:], self.interp)
+
+
+class SpatialAdjointPropagator(_SpatialLevels, AdjointPropagator):
+    """:class:`AdjointPropagator` on spatially coarsened levels: the transposes of the forward
+    transfers (restriction P^T, interpolation R^T), and on a level coarsened k times the vjp of
+    the coarse forward step linearised at R^k u_n (the state the coarse forward level holds at
+    convergence), so the adjoint solve is the true adjoint of the coarse-grid operators the
+    forward solve uses."""
+
+    def __init__(self, model, states, derivs, bk, ctx=None, spatial_levels=(0,),
+                 interp="linear", restrict="full"):
+        AdjointPropagator.__init__(self, model, states, derivs, bk, ctx)
+        self.stacked = self.batched = False
+        self._spatial_setup(spatial_levels, interp, restrict)
+        self._coarse = {}  # (n, k) -> (R^k u_n, its linearisation cache), for this solve
+
+    def reset(self, states, derivs):
+        """New forward states and caches (a new training step)."""
+        self.U, self.D, self._coarse = states, derivs, {}
+
+    def restrict(self, lam, level):
+        if level not in self.spatial_levels:
+            return lam.copy()
+        self._fine_shapes[level] = lam.shape
+        return grid_transfer.interpolate_transpose(lam, self.interp)
+
+    def interpolate(self, e, level):
+        if level not in self.spatial_levels:
+            return e.copy()
+        return grid_transfer.restrict_transpose(e, self._fine_shapes[level][2:], self.interp,
+                                                self.restrict_kind)
+
+    def _coarse_cache(self, n, k):
+        """(R^k u_n, the linearisation of layer n there)."""
+        key = (n, k)
+        hit = self._coarse.get(key)
+        if hit is None:
+            u = self.U[n]
+            for lev in sorted(self.spatial_levels)[:k]:
+                u = grid_transfer.restrict(u, self.interp, self.restrict_kind)
+            hit = self._coarse[key] = (u, self.kind.linearize(self.P, n, u, self.bk, self.ctx))
+        return hit
+
+    def step(self, lam, start, stop, level):
+        k = self.coarsenings(level)
+        if k == 0:
+            return AdjointPropagator.step(self, lam, start, stop, level)
+        n = self.N - stop
+        h = self.dtype.type((stop - start) * self.h)
+        _, cache = self._coarse_cache(n, k)
+        return self.kind.vjp_state_layer(self.P, n, cache, lam, h, self.bk, self.ctx)
+
+
 class LayerParallel:
     """Forward and adjoint propagation of a model, with the loss and its gradient; serial or
     distributed over layer ranks x data replicas.
@@ -531,6 +644,18 @@ class LayerParallel:
         training step the running statistics of replica 0 are broadcast to the others (as DDP
         broadcasts rank 0's buffers), so evaluation agrees on every rank. A no-op without data
         replicas or without batch norm.
+    spatial_levels : tuple of int
+        Spatial coarsening (conv models, 2D or 3D): level l in ``spatial_levels`` means MGRIT
+        level l + 1 holds images of half the resolution per axis (odd sizes 2m + 1 vertex-
+        centred, even sizes 2m cell-centred, both to m: :mod:`mgnn.backend.grid_transfer`), in
+        the forward and the adjoint solve; coarse steps apply the same kernels on the coarse
+        grid. Default () (none). Every level must be below the options' last level. The
+        single-state propagator protocol and a sequential coarsest level are used then.
+    interp : {'linear', 'nearest'}
+        Interpolation of the spatial coarsening ((bi/tri)linear or nearest).
+    restrict : {'full', 'injection'}
+        Restriction: 'full' (the transpose of ``interp`` scaled to preserve constants) or
+        'injection'. The adjoint solve uses the transposes (P^T to restrict, R^T to correct).
 
     Composed steps (batch norm, dropout: :class:`mgnn.blocks.composed.ComposedStep`) run the
     single-state propagator protocol, and their coarsest level is always 'sequential' (the
@@ -553,7 +678,7 @@ class LayerParallel:
 
     def __init__(self, model, fwd=None, bwd=None, comm=None, backend="numba", warm_start=False,
                  data_ranks=1, overlap=True, threads="auto", coarsest="redundant",
-                 sync_bn=False):
+                 sync_bn=False, spatial_levels=(), interp="linear", restrict="full"):
         if not isinstance(model, Model):
             raise TypeError(f"model must be an mgnn Model, got {type(model).__name__}")
         for name, opt in (("fwd", fwd), ("bwd", bwd)):
@@ -591,7 +716,8 @@ class LayerParallel:
             raise ValueError(f"coarsest must be 'redundant' or 'sequential', got {coarsest!r}")
         if not isinstance(sync_bn, bool):
             raise TypeError(f"sync_bn must be a bool, got {sync_bn!r}")
-        self.coarsest = coarsest if model.step.fused else "sequential"
+        self.spatial = _spatial_options(model, spatial_levels, interp, restrict, fwd, bwd)
+        self.coarsest = coarsest if model.step.fused and not self.spatial else "sequential"
         self.sync_bn = sync_bn
         replicas = None
         if sync_bn and self.layout.data_ranks > 1 and len(model.buffers):
@@ -636,20 +762,30 @@ class LayerParallel:
         """More than one rank takes part."""
         return self.layout.size > 1
 
+    def _rows(self, name):
+        """(rows of parameter ``name`` this rank computes, rows it owns) as slices of the leading
+        axis, None for none: its own layers of per-layer step parameters; the opening on the
+        first and the closing on the last layer rank; weights shared by every step are computed
+        in part on every rank (their gradient is a sum over the steps) and owned by the first.
+        The one ownership table of :meth:`_owned_mask` and :meth:`_zero_unowned`."""
+        group, lay, m = name.split(".")[0], self.layout, self.model
+        whole = slice(None)
+        if group == m.step_prefix:
+            if m.step.shared:
+                return whole, (whole if lay.first else None)
+            own = slice(self.layers.start, self.layers.stop)
+            return own, own
+        mine = lay.first if group == "opening" else lay.last
+        return (whole, whole) if mine else (None, None)
+
     def _owned_mask(self):
-        """Entries this rank owns (reports in :meth:`gather` / :meth:`gather_params`): its rows
-        of the per-layer step parameters, the opening on the first and the closing on the last
-        layer rank; weights shared by every step on the first layer rank (every rank computes
-        and holds them)."""
+        """Entries this rank owns (reports in :meth:`gather` / :meth:`gather_params`; see
+        :meth:`_rows`) as a boolean mask of the flat buffer."""
         mask = self.model.params.zeros_like()
-        lay, m = self.layout, self.model
         for k, v in mask.items():
-            group = k.split(".")[0]
-            if group == m.step_prefix and not m.step.shared:
-                v[self.layers.start:self.layers.stop] = 1
-            elif (group in ("opening", m.step_prefix) and lay.first) or \
-                    (group == "closing" and lay.last):
-                v[...] = 1
+            owned = self._rows(k)[1]
+            if owned is not None:
+                v[owned] = 1
         return mask.flat.astype(bool)
 
     # ------------------------------------------------------------------------------ validation
@@ -754,8 +890,7 @@ class LayerParallel:
             lam = m.step.sweep_backward(steps["weight"], steps["bias"], U, D, m.h, lam,
                                         grads["steps.weight"], grads["steps.bias"], bk)
         else:  # state vjps layer after layer, then every parameter gradient in one call
-            G = {k.split(".", 1)[1]: v for k, v in grads.items()
-                 if k.startswith(m.step_prefix + ".")}
+            G = grads.group(m.step_prefix)
             lams = [None] * m.n_layers + [lam]
             for n in range(m.n_layers - 1, -1, -1):
                 lams[n] = m.step.vjp_state_layer(steps, n, D[n], lams[n + 1], m.h, bk, self.ctx)
@@ -802,10 +937,14 @@ class LayerParallel:
         key = (kind, id(opts))  # opts are this object's own, alive as long as it is
         if key not in self._solvers:
             lay, m = self.layout, self.model
+            spatial = {} if not self.spatial else dict(
+                spatial_levels=self.spatial[0], interp=self.spatial[1], restrict=self.spatial[2])
             if kind == "forward":
-                prop, part = ForwardPropagator(m, self.bk, self.ctx), self.partition
+                cls = SpatialForwardPropagator if spatial else ForwardPropagator
+                prop, part = cls(m, self.bk, self.ctx, **spatial), self.partition
             else:
-                prop, part = (AdjointPropagator(m, None, None, self.bk, self.ctx),
+                cls = SpatialAdjointPropagator if spatial else AdjointPropagator
+                prop, part = (cls(m, None, None, self.bk, self.ctx, **spatial),
                               self.adjoint_partition)
             self._solvers[key] = MGRITSolver(prop, m.n_layers, opts, comm=lay.layer_comm,
                                              partition=part, norm_comm=lay.comm,
@@ -960,20 +1099,21 @@ class LayerParallel:
         stacked = res.store is not None and _has_stacked_grads(bk)
         t0 = time.perf_counter()
         template = U[lo] if len(owned) else U[N]
-        # sigma' of layer n in row n - lo
+        # the linearisation caches D[n] of the owned layers at the final forward states:
+        # composed kinds one per layer; fused kinds sigma' of layer n in row n - lo of derivs
         derivs = None
-        if m.step.fused:
-            derivs = self._reused("derivs", (len(owned),) + template.shape, template.dtype)
-        if not m.step.fused:  # composed: a cache per layer, at the final forward states
+        if not m.step.fused:
             D = [None] * N
             for n in owned:
                 D[n] = m.step.linearize(steps, n, U[n], bk, self.ctx)
             self._commit_buffers(owned, D)
         elif stacked:
+            derivs = self._reused("derivs", (len(owned),) + template.shape, template.dtype)
             Uf, a_f = res.store  # state n in slot n - a_f + 1
             m.step.deriv_stacked(W, b, Uf, lo - a_f + 1, len(owned), lo, derivs, bk)
             D = _Rows(derivs, lo)
         else:
+            derivs = self._reused("derivs", (len(owned),) + template.shape, template.dtype)
             D = [None] * N
             for k, d in enumerate(m.step.deriv_batched(W, b, [U[n] for n in owned],
                                                        list(owned), bk)):
@@ -1000,7 +1140,7 @@ class LayerParallel:
         else:
             lam_N = self.xp.zeros_like(template)
         solver = self._solver("adjoint", self.bwd or self._serial_opts)
-        solver.prop.U, solver.prop.D = U, D
+        solver.prop.reset(U, D)
         solver.prop.derivs, solver.prop.d0 = derivs, lo
         self._refresh_replica(solver, derivs)
         adj = solver.solve(lam_N)
@@ -1025,8 +1165,7 @@ class LayerParallel:
             groups = (rest,)
         else:
             groups = (ready, rest)
-        G = {k.split(".", 1)[1]: v for k, v in grads.items()
-             if k.startswith(m.step_prefix + ".")}
+        G = grads.group(m.step_prefix)
         for group in groups:
             if group is rest:
                 t1 = time.perf_counter()
@@ -1066,17 +1205,15 @@ class LayerParallel:
         return float(loss), grads
 
     def _zero_unowned(self, grads):
-        """Zero the entries of ``grads`` this rank does not compute (none on a single rank);
-        returns ``grads``."""
-        lay, (lo, hi), m = self.layout, (self.layers.start, self.layers.stop), self.model
+        """Zero the entries of ``grads`` this rank does not compute (none on a single rank;
+        see :meth:`_rows`); returns ``grads``."""
         for k, v in grads.items():
-            group = k.split(".")[0]
-            if group == m.step_prefix:
-                if not m.step.shared:  # shared weights: every rank computes the whole sum
-                    v[:lo] = 0
-                    v[hi:] = 0
-            elif not (lay.first if group == "opening" else lay.last):
+            computed = self._rows(k)[0]
+            if computed is None:
                 v[...] = 0
+            elif computed != slice(None):
+                v[:computed.start] = 0
+                v[computed.stop:] = 0
         return grads
 
     def _reused(self, name, shape, dtype):
@@ -1205,6 +1342,42 @@ class LayerParallel:
 #: Work of the opening layer (first layer rank) and of the closing layer + loss (last layer rank)
 #: in layer evaluations, for balancing the layer blocks (rough: an affine map each way).
 OPENING_WORK, CLOSING_WORK = 2.0, 3.0
+
+
+def _spatial_options(model, spatial_levels, interp, restrict, fwd, bwd):
+    """(levels, interp, restrict) validated for ``model`` and the MGRIT options, or None for
+    no spatial coarsening; ValueError/TypeError naming the bad value."""
+    if isinstance(spatial_levels, numbers.Integral) and not isinstance(spatial_levels, bool):
+        spatial_levels = (spatial_levels,)
+    if not isinstance(spatial_levels, (tuple, list)) or any(
+            isinstance(v, bool) or not isinstance(v, numbers.Integral) for v in spatial_levels):
+        raise TypeError(f"spatial_levels must be a tuple of ints, got {spatial_levels!r}")
+    if interp not in grid_transfer.INTERPS:
+        raise ValueError(f"interp must be one of {grid_transfer.INTERPS}, got {interp!r}")
+    if restrict not in grid_transfer.RESTRICTS:
+        raise ValueError(f"restrict must be one of {grid_transfer.RESTRICTS}, got {restrict!r}")
+    levels = tuple(sorted(set(int(v) for v in spatial_levels)))
+    if not levels:
+        return None
+    shape = model.step.state_shape(1)[2:]
+    if len(shape) not in (2, 3) or model.step.shared:
+        raise ValueError(f"spatial_levels={levels!r} needs a conv model (2D or 3D images), "
+                         f"but the model's states are {model.step.state_shape(1)[1:]} per sample")
+    for name, opt in (("fwd", fwd), ("bwd", bwd)):
+        n_levels = 1 if opt is None else len(hierarchy(model.n_layers, opt))
+        bad = [v for v in levels if not 0 <= v < n_levels - 1]
+        if bad:
+            raise ValueError(f"spatial_levels {bad} do not exist in the {name} hierarchy of "
+                             f"{n_levels} levels (a level l coarsens level l + 1: 0 <= l < "
+                             f"{n_levels - 1})")
+    size = shape
+    for k in range(len(levels)):
+        try:
+            size = grid_transfer.coarse_shape(size)
+        except ValueError as exc:
+            raise ValueError(f"image size {shape} cannot be coarsened {len(levels)} times for "
+                             f"spatial_levels={levels!r}: {exc}") from None
+    return levels, interp, restrict
 
 
 def layer_work_model(n_layers, fwd, bwd, coarsest="redundant"):

@@ -55,6 +55,14 @@ class ParamDict(dict):
             return self.flat[self.offsets[name]:self.offsets[name] + 1]
         return self.flat[self.offsets[name] + first * row:self.offsets[name] + stop * row]
 
+    def group(self, prefix=None):
+        """{'weight': ..., 'bias': ...}: views of the entries named ``prefix.<name>`` under
+        ``<name>`` (every entry, its prefix dropped, when ``prefix`` is None)."""
+        if prefix is None:
+            return {k.split(".", 1)[1]: v for k, v in self.items()}
+        head = prefix + "."
+        return {k[len(head):]: v for k, v in self.items() if k.startswith(head)}
+
     def shapes(self):
         """Ordered dict name -> shape."""
         return {k: v.shape for k, v in self.items()}

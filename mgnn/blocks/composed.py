@@ -84,14 +84,26 @@ def _per_channel(v, x):
 
 
 class Affine:
-    """``y = x W^T + b`` (dense, x (B, w)) or ``conv3x3(x, K) + b`` (x (B, C, H, W), padding 1),
-    through the backend's dense / conv kernels with the identity activation."""
+    """``y = x W^T + b`` (dense, x (B, w)), ``conv3x3(x, K) + b`` (conv, x (B, C, H, W)) or
+    ``conv3x3x3(x, K) + b`` (conv3d, x (B, C, D, H, W)), padding 1, through the backend's
+    dense / conv / conv3d kernels with the identity activation.
+
+    Parameters
+    ----------
+    kind : {'dense', 'conv', 'conv3d'} or bool (True: 'conv', False: 'dense')
+    """
 
     params = ("weight", "bias")
+    KINDS = ("dense", "conv", "conv3d")
 
-    def __init__(self, conv):
-        self.conv = bool(conv)
-        self._k = "conv" if self.conv else "dense"
+    def __init__(self, kind):
+        if isinstance(kind, bool):
+            kind = "conv" if kind else "dense"
+        if kind not in self.KINDS:
+            raise ValueError(f"Affine kind must be one of {self.KINDS}, got {kind!r}")
+        self._k = kind
+        self.conv = kind != "dense"
+        self._ones = {}  # the vjp's sigma' = 1, one array per shape, dtype and array library
 
     def forward(self, theta, x, n, ctx, bk):
         one = x.dtype.type(1)
@@ -99,9 +111,16 @@ class Affine:
                                               activation_code("identity"), False)
         return y, x
 
+    def _unit_deriv(self, gy):
+        key = (gy.shape, gy.dtype.str, type(gy))
+        ones = self._ones.get(key)
+        if ones is None:
+            ones = self._ones[key] = _xp(gy).ones_like(gy)
+        return ones
+
     def vjp(self, theta, cache, gy, n, ctx, bk, grads=None, scale=1.0):
         x = cache
-        ones = _xp(gy).ones_like(gy)
+        ones = self._unit_deriv(gy)
         one = x.dtype.type(1)
         if grads is None:
             return getattr(bk, self._k + "_vjp_input")(gy, ones, theta["weight"], one, False)

@@ -273,6 +273,17 @@ class ConvOpening(_Opening):
         return (self.in_channels,) + self.image_size
 
 
+class Conv3dOpening(ConvOpening):
+    """u_0 = sigma(conv3x3x3(x, K) + a); x (B, ci, D, H, W) -> (B, C, D, H, W);
+    K (C, ci, 3, 3, 3) (PyTorch's Conv3d layout)."""
+
+    _fwd_deriv, _vjp = "conv3d_forward_deriv", "conv3d_vjp"
+
+    def param_shapes(self):
+        """{'weight': (C, ci, 3, 3, 3), 'bias': (C,)}."""
+        return {"weight": (self.channels, self.in_channels, 3, 3, 3), "bias": (self.channels,)}
+
+
 class DenseClosing:
     """logits = u C^T + c; u (B, w) -> (B, K); C (K, w), c (K,)."""
 
@@ -305,20 +316,34 @@ class DenseClosing:
 
 
 class PoolClosing(DenseClosing):
-    """logits = avgpool_p(u).reshape(B, C p^2) C^T + c; u (B, C, H, W); p = 1 is global pooling."""
+    """logits = avgpool_p(u).reshape(B, C p^d) C^T + c; u (B, C, H, W) (d = 2, the backend's
+    pooling kernels) or (B, C, D, H, W) (d = 3, array arithmetic); p = 1 is global pooling."""
 
     def __init__(self, channels, image_size, n_classes, pool=1):
         self.channels, self.pool = int(channels), int(pool)
         self.image_size = tuple(int(s) for s in image_size)
-        super().__init__(self.channels * self.pool ** 2, n_classes)
+        super().__init__(self.channels * self.pool ** len(self.image_size), n_classes)
+
+    def _blocks(self, u):
+        """(B, C, p, D/p, p, H/p, p, W/p): the pooling cells of a 3D state as axes."""
+        p = self.pool
+        return u.reshape(u.shape[:2] + tuple(x for s in u.shape[2:] for x in (p, s // p)))
 
     def _features(self, u, bk):
-        return bk.avgpool_forward(u, self.pool).reshape(u.shape[0], -1)
+        if u.ndim == 4:
+            return bk.avgpool_forward(u, self.pool).reshape(u.shape[0], -1)
+        return self._blocks(u).mean(axis=(3, 5, 7)).reshape(u.shape[0], -1)
 
     def _features_vjp(self, u, g, bk):
         p = self.pool
-        g4 = g.reshape(u.shape[0], self.channels, p, p)  # g is C-contiguous (a vjp output)
-        return bk.avgpool_vjp(g4, u.shape[2], u.shape[3])
+        if u.ndim == 4:
+            g4 = g.reshape(u.shape[0], self.channels, p, p)  # C-contiguous (a vjp output)
+            return bk.avgpool_vjp(g4, u.shape[2], u.shape[3])
+        cells = int(np.prod(u.shape[2:])) // p ** 3
+        g6 = g.reshape(u.shape[0], self.channels, p, 1, p, 1, p, 1) / u.dtype.type(cells)
+        out = u * 0  # a new contiguous array: its block view writes through
+        self._blocks(out)[...] = g6
+        return out
 
 
 class SoftmaxCrossEntropy:

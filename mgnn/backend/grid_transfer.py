@@ -1,0 +1,324 @@
+"""Spatial grid transfer: restriction to the grid of half the resolution and interpolation back.
+
+States are arrays (B, C, *spatial) with 2 or 3 spatial axes (the last ones), NumPy or CuPy,
+float32/float64 (or complex); every function keeps the array library and the dtype and allocates
+only its output. The operators are tensor products of one 1D operator per spatial axis, and each
+axis picks its grid convention from its size (so mixed axes work axis by axis):
+
+* **odd** n = 2m + 1: *vertex-centred* (geometric multigrid's 2^k - 1 grids: 31 -> 15 -> 7 -> 3).
+  Fine points 0..2m, coarse point i sits on fine point 2i + 1, the values outside the grid are
+  zero (Dirichlet).
+* **even** n = 2m: *cell-centred* (32 -> 16 -> 8). Coarse cell i covers fine cells 2i and 2i + 1.
+
+Both coarsen n to m = n // 2 (:func:`coarse_size`); m < 1 is an error.
+
+Interpolation P (coarse -> fine), per axis, ``interp``:
+
+* vertex ``"linear"``: f[2i+1] = c[i], f[2i] = (c[i-1] + c[i]) / 2 with c[-1] = c[m] = 0
+  (so f[0] = c[0] / 2 and f[2m] = c[m-1] / 2).
+* vertex ``"nearest"``: f[j] = c[min(j // 2, m - 1)]: f[2i+1] = c[i]; f[2i], equally far from
+  c[i-1] and c[i], takes the right one, c[i]; the last point f[2m] has only c[m-1].
+* cell ``"linear"``: f[2i] = 3/4 c[i] + 1/4 c[i-1], f[2i+1] = 3/4 c[i] + 1/4 c[i+1], the edges
+  clamped (c[-1] = c[0], c[m] = c[m-1]; so f[0] = c[0] and f[2m-1] = c[m-1]).
+* cell ``"nearest"``: f[2i] = f[2i+1] = c[i].
+
+In d dimensions the weight of a fine point is the product of the per-axis weights ((bi/tri)linear).
+P maps constants to constants, except vertex-centred ``"linear"``, whose zero boundary halves the
+values at the outermost fine points: on a constant, ``P 1`` is 1 at fine indices 1..2m-1 of each
+vertex axis and (1/2)^k at a point that lies on index 0 or 2m of k vertex axes.
+
+Restriction R (fine -> coarse), ``restrict``:
+
+* ``"full"``: R = D^-1 P^T, the transpose of the matching interpolation with every row divided by
+  its sum (D = diag(P^T 1), the column sums of P), so R maps constants to constants exactly. In
+  1D the column sums of P are 2 for vertex ``"linear"`` (R: full weighting (1/4, 1/2, 1/4)), cell
+  ``"nearest"`` (R: average pooling of each pair) and cell ``"linear"`` (R = P^T / 2: weights
+  (1/8, 3/8, 3/8, 1/8) over f[2i-1..2i+2], the clamped edges fold to (1/2, 3/8, 1/8) at
+  c[0]); so in d dimensions R = P^T / 2^d there. For vertex ``"nearest"`` they are 2, except 3 at
+  the last coarse point: R averages f[2i], f[2i+1] into c[i] and the three points f[2m-2..2m]
+  into c[m-1].
+* ``"injection"``: vertex: c[i] = f[2i+1] (the coinciding point); cell: c[i] = f[2i] (the first
+  cell of each pair). Independent of ``interp``.
+
+R P = I (restriction undoes interpolation) on an axis for ``"nearest"`` (vertex or cell) with
+either restriction and for injection after vertex ``"linear"``; not for ``"linear"`` with
+``"full"`` (full weighting smooths) nor for cell ``"linear"`` with injection. In d dimensions
+R P = I exactly when it holds on every axis.
+
+The exact transposes R^T (:func:`restrict_transpose`) and P^T (:func:`interpolate_transpose`)
+serve the adjoint solve: they are the same per-axis terms read in the other direction, so
+<R u, v> = <u, R^T v> and <P e, g> = <e, P^T g> hold to round-off.
+"""
+import functools
+import itertools
+from fractions import Fraction
+
+import numpy as np
+
+#: Interpolation names (``interp``).
+INTERPS = ("linear", "nearest")
+#: Restriction names (``restrict``).
+RESTRICTS = ("full", "injection")
+#: Numbers of spatial axes a state may have.
+SPATIAL_NDIMS = (2, 3)
+
+_HALF, _QUARTER, _THREE_QUARTERS = Fraction(1, 2), Fraction(1, 4), Fraction(3, 4)
+
+
+def coarse_size(n):
+    """Size of the coarse grid of one axis of ``n`` points: n // 2.
+
+    Odd n = 2m + 1 (vertex-centred) and even n = 2m (cell-centred) both give m.
+
+    Raises
+    ------
+    TypeError
+        If ``n`` is not an int.
+    ValueError
+        If m < 1 (n < 2), naming n.
+    """
+    if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)):
+        raise TypeError(f"grid size must be an int, got {n!r}")
+    m = int(n) // 2
+    if m < 1:
+        raise ValueError(f"grid size {n} cannot be coarsened: a coarse grid needs n >= 2 "
+                         f"(odd n = 2m + 1 and even n = 2m coarsen to m)")
+    return m
+
+
+def coarse_shape(spatial_shape):
+    """:func:`coarse_size` of every axis of ``spatial_shape`` (a tuple of 2 or 3 ints)."""
+    shape = _spatial_shape(spatial_shape)
+    return tuple(coarse_size(n) for n in shape)
+
+
+def interpolate(e, fine_shape, interp="linear"):
+    """Interpolation P: coarse states to the fine grid.
+
+    Parameters
+    ----------
+    e : array (B, C, *coarse_shape(fine_shape)), float32/float64, NumPy or CuPy
+    fine_shape : tuple of 2 or 3 ints, the fine spatial shape
+    interp : "linear" or "nearest"
+
+    Returns
+    -------
+    array (B, C, *fine_shape), e's dtype and library
+    """
+    fine = _spatial_shape(fine_shape)
+    _check_name("interp", interp, INTERPS)
+    _check_state("e", e, len(fine))
+    _check_coarse("e", e, fine)
+    return _apply(e, e.shape[:2] + fine, _plan(fine, interp, None, True))
+
+
+def interpolate_transpose(g, interp="linear"):
+    """P^T, the exact transpose of :func:`interpolate`: fine -> coarse.
+
+    Parameters
+    ----------
+    g : array (B, C, *fine) with 2 or 3 spatial axes, float32/float64, NumPy or CuPy
+    interp : "linear" or "nearest"
+
+    Returns
+    -------
+    array (B, C, *coarse_shape(fine)), g's dtype and library
+    """
+    _check_name("interp", interp, INTERPS)
+    _check_state("g", g)
+    fine = tuple(g.shape[2:])
+    return _apply(g, g.shape[:2] + coarse_shape(fine), _plan(fine, interp, None, False))
+
+
+def restrict(u, interp="linear", restrict="full"):
+    """Restriction R: fine states to the coarse grid.
+
+    Parameters
+    ----------
+    u : array (B, C, *fine) with 2 or 3 spatial axes, float32/float64, NumPy or CuPy
+    interp : "linear" or "nearest", the interpolation whose transpose "full" is
+    restrict : "full" (D^-1 P^T, preserves constants) or "injection"
+
+    Returns
+    -------
+    array (B, C, *coarse_shape(fine)), u's dtype and library
+    """
+    _check_name("interp", interp, INTERPS)
+    _check_name("restrict", restrict, RESTRICTS)
+    _check_state("u", u)
+    fine = tuple(u.shape[2:])
+    return _apply(u, u.shape[:2] + coarse_shape(fine), _plan(fine, interp, restrict, False))
+
+
+def restrict_transpose(v, fine_shape, interp="linear", restrict="full"):
+    """R^T, the exact transpose of :func:`restrict`: coarse -> fine.
+
+    Parameters
+    ----------
+    v : array (B, C, *coarse_shape(fine_shape)), float32/float64, NumPy or CuPy
+    fine_shape : tuple of 2 or 3 ints, the fine spatial shape
+    interp, restrict : as in :func:`restrict`
+
+    Returns
+    -------
+    array (B, C, *fine_shape), v's dtype and library
+    """
+    fine = _spatial_shape(fine_shape)
+    _check_name("interp", interp, INTERPS)
+    _check_name("restrict", restrict, RESTRICTS)
+    _check_state("v", v, len(fine))
+    _check_coarse("v", v, fine)
+    return _apply(v, v.shape[:2] + fine, _plan(fine, interp, restrict, True))
+
+
+# --- the 1D operators -----------------------------------------------------------------------
+# A 1D operator is a list of terms (fine slice, coarse slice, weight): the matrix with
+# M[fine_j, coarse_k] += weight for the paired positions (j, k) of the two slices.
+
+def _interp_terms(n, interp):
+    """Terms of the 1D interpolation matrix P (n x n // 2)."""
+    m = coarse_size(n)
+    every = slice(0, m)
+    if n % 2:  # vertex-centred, n = 2m + 1
+        if interp == "linear":
+            return [(slice(1, 2 * m, 2), every, Fraction(1)),        # f[2i+1] = c[i]
+                    (slice(0, 2 * m - 1, 2), every, _HALF),          # f[2i]   += c[i] / 2
+                    (slice(2, 2 * m + 1, 2), every, _HALF)]          # f[2i+2] += c[i] / 2
+        return [(slice(1, 2 * m, 2), every, Fraction(1)),            # f[2i+1] = c[i]
+                (slice(0, 2 * m - 1, 2), every, Fraction(1)),        # f[2i]   = c[i], i < m
+                (slice(2 * m, 2 * m + 1), slice(m - 1, m), Fraction(1))]  # f[2m] = c[m-1]
+    if interp == "nearest":  # cell-centred, n = 2m
+        return [(slice(0, 2 * m, 2), every, Fraction(1)), (slice(1, 2 * m, 2), every, Fraction(1))]
+    return [(slice(0, 2 * m, 2), every, _THREE_QUARTERS),            # f[2i]   = 3/4 c[i]
+            (slice(1, 2 * m, 2), every, _THREE_QUARTERS),            # f[2i+1] = 3/4 c[i]
+            (slice(2, 2 * m, 2), slice(0, m - 1), _QUARTER),         # + 1/4 c[i-1], i >= 1
+            (slice(0, 1), slice(0, 1), _QUARTER),                    # + 1/4 c[0] at f[0]
+            (slice(1, 2 * m - 1, 2), slice(1, m), _QUARTER),         # + 1/4 c[i+1], i < m-1
+            (slice(2 * m - 1, 2 * m), slice(m - 1, m), _QUARTER)]    # + 1/4 c[m-1] at f[2m-1]
+
+
+def _restrict_terms(n, interp, restrict):
+    """Terms of the 1D restriction matrix R (n // 2 x n), as the transposed layout (fine, coarse,
+    weight) of R^T."""
+    m = coarse_size(n)
+    every = slice(0, m)
+    if restrict == "injection":
+        return [(slice(1, 2 * m, 2) if n % 2 else slice(0, 2 * m, 2), every, Fraction(1))]
+    if n % 2 and interp == "nearest":  # column sums of P: 2, and 3 at the last coarse point
+        third = Fraction(1, 3)
+        head = slice(0, m - 1)
+        last = slice(m - 1, m)
+        return [(slice(0, 2 * m - 2, 2), head, _HALF),               # c[i] = (f[2i] + f[2i+1]) / 2
+                (slice(1, 2 * m - 2, 2), head, _HALF),               #   for i < m - 1
+                (slice(2 * m - 2, 2 * m - 1), last, third),          # c[m-1] = the mean of
+                (slice(2 * m - 1, 2 * m), last, third),              #   f[2m-2], f[2m-1], f[2m]
+                (slice(2 * m, 2 * m + 1), last, third)]
+    return [(f, c, w / 2) for f, c, w in _interp_terms(n, interp)]  # column sums of P all 2
+
+
+def _apply(x, out_shape, plan):
+    """Run a :func:`_plan` on ``x`` into a new array of ``out_shape`` (x's library and dtype)."""
+    xp = _array_module(x)
+    out = xp.zeros(out_shape, dtype=x.dtype)
+    for pairs, scale in plan:
+        for dst, src in pairs:
+            view = out[dst]
+            view += x[src]
+        if scale != 1.0:
+            out *= scale
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(fine, interp, restrict, to_fine):
+    """The slice additions and scalings that apply an operator, for spatial shape ``fine``.
+
+    The operator is the tensor product of one 1D operator per axis (:func:`_interp_terms` when
+    ``restrict`` is None, else :func:`_restrict_terms`): out[f] += w x[c] (``to_fine``) or
+    out[c] += w x[f] (its transpose), for every combination of one term per axis, w the product
+    of their weights. So that only the output is allocated, the combinations are grouped by
+    weight and summed by Horner's rule,
+    w_1 T_1 + ... + w_G T_G = ((T_1 (w_1/w_2) + T_2) (w_2/w_3) + ...) w_G (w ascending):
+    every update is an in-place add of a slice of x or an in-place scaling of out.
+
+    Returns
+    -------
+    tuple of (pairs, scale): add x[src] to out[dst] for each (dst, src) in pairs, then out *= scale
+    """
+    if restrict is None:
+        axis_terms = [_interp_terms(n, interp) for n in fine]
+    else:
+        axis_terms = [_restrict_terms(n, interp, restrict) for n in fine]
+    groups = {}
+    for combo in itertools.product(*axis_terms):
+        fine_idx = tuple(t[0] for t in combo)
+        coarse_idx = tuple(t[1] for t in combo)
+        if any(_empty(s) for s in fine_idx + coarse_idx):
+            continue
+        weight = Fraction(1)
+        for t in combo:
+            weight *= t[2]
+        dst, src = (fine_idx, coarse_idx) if to_fine else (coarse_idx, fine_idx)
+        groups.setdefault(weight, []).append(((Ellipsis,) + dst, (Ellipsis,) + src))
+    weights = sorted(groups)
+    plan = []
+    for j, weight in enumerate(weights):
+        scale = weight / weights[j + 1] if j + 1 < len(weights) else weight
+        plan.append((tuple(groups[weight]), float(scale)))
+    return tuple(plan)
+
+
+def _empty(s):
+    """Whether slice ``s`` (start, stop >= 0) selects nothing."""
+    return s.stop <= s.start
+
+
+# --- validation -----------------------------------------------------------------------------
+
+def _array_module(x):
+    family = type(x).__module__.partition(".")[0]
+    if family == "numpy":
+        return np
+    if family == "cupy":
+        import cupy
+        return cupy
+    raise TypeError(f"states must be NumPy or CuPy arrays, got {type(x).__name__}")
+
+
+def _check_name(what, value, allowed):
+    choices = " or ".join(repr(a) for a in allowed)
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be {choices}, got {value!r}")
+    if value not in allowed:
+        raise ValueError(f"{what} must be {choices}, got {value!r}")
+
+
+def _spatial_shape(shape):
+    try:
+        shape = tuple(shape)
+    except TypeError:
+        raise TypeError(f"a spatial shape must be a tuple of 2 or 3 ints, got {shape!r}") from None
+    if len(shape) not in SPATIAL_NDIMS:
+        raise ValueError(f"a spatial shape must have 2 or 3 axes, got {shape!r}")
+    for n in shape:
+        if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)):
+            raise TypeError(f"a spatial shape must be a tuple of ints, got {shape!r}")
+    return tuple(int(n) for n in shape)
+
+
+def _check_state(name, x, n_spatial=None):
+    _array_module(x)
+    if x.dtype.kind not in "fc":
+        raise TypeError(f"{name} must have a floating-point dtype, got {x.dtype}")
+    want = (n_spatial,) if n_spatial is not None else SPATIAL_NDIMS
+    if x.ndim - 2 not in want:
+        axes = " or ".join(str(k) for k in want)
+        raise ValueError(f"{name} must be (B, C, *spatial) with {axes} spatial axes, got shape "
+                         f"{tuple(x.shape)}")
+
+
+def _check_coarse(name, x, fine):
+    want = coarse_shape(fine)
+    if tuple(x.shape[2:]) != want:
+        raise ValueError(f"{name} has spatial shape {tuple(x.shape[2:])}, but the fine shape "
+                         f"{fine} coarsens to {want}")
