@@ -113,6 +113,79 @@ def bench_conv_kernel(channels=8, batch=32, size=28, dtype="float32", seed=0):
             "target": "speed-up over the reference (informational)"}
 
 
+#: Shape of the ``bench kernels`` conv3d case (issue 14): C=8 channels, 16^3 volumes, B=8.
+CONV3D_STEP = dict(channels=8, batch=8, size=16)
+_TAPS3 = tuple((dz, dy, dx) for dz in range(3) for dy in range(3) for dx in range(3))
+
+
+def conv3d_im2col_step(u, K, b, lam, h):
+    """The NumPy baseline of a residual conv3d step with tanh, forward + vjp, by im2col + matmul:
+    ``cols`` (B, C*27, D*H*W) gathers the 27 shifted copies of the zero-padded input, then
+    z = K (C, C*27) @ cols + b, y = u + h tanh(z); s = tanh'(z) * lam, gK = h sum_B s @ cols^T,
+    gb = h sum s, gx = lam + h col2im(K^T @ s) (27 shifted adds). u, lam (B, C, D, H, W),
+    K (C, C, 3, 3, 3), b (C,); returns (y, deriv, gx, gK, gb) as ``numpy_ref`` would."""
+    B, C, D, H, W = u.shape
+    n = D * H * W
+    up = np.pad(u, ((0, 0), (0, 0), (1, 1), (1, 1), (1, 1)))
+    cols = np.empty((B, C, 27, D, H, W), dtype=u.dtype)
+    for t, (dz, dy, dx) in enumerate(_TAPS3):
+        cols[:, :, t] = up[:, :, dz:dz + D, dy:dy + H, dx:dx + W]
+    cols = cols.reshape(B, C * 27, n)
+    Km = K.reshape(K.shape[0], C * 27)
+    z = np.matmul(Km, cols)
+    z += b[:, None]
+    t = np.tanh(z)
+    y = u + h * t.reshape(u.shape)
+    deriv = 1 - t * t
+    s = deriv * lam.reshape(B, -1, n)
+    gK = h * np.matmul(s, cols.transpose(0, 2, 1)).sum(axis=0)
+    gb = h * s.sum(axis=(0, 2))
+    gcols = np.matmul(Km.T, s).reshape(B, C, 27, D, H, W)
+    gp = np.zeros_like(up)
+    for t, (dz, dy, dx) in enumerate(_TAPS3):
+        gp[:, :, dz:dz + D, dy:dy + H, dx:dx + W] += gcols[:, :, t]
+    gx = lam + h * gp[:, :, 1:-1, 1:-1, 1:-1]
+    return y, deriv.reshape(u.shape), gx, gK.reshape(K.shape), gb
+
+
+def conv3d_step_case(channels=8, batch=8, size=16, dtype="float32", backend="numba", seed=0):
+    """(step, baseline): a residual conv3d step with tanh, forward + vjp, of ``backend``
+    (conv3d_forward_deriv + conv3d_vjp) and :func:`conv3d_im2col_step` on the same inputs, as
+    functions of no argument (both return (y, deriv, gx, gK, gb))."""
+    dt = np.dtype(dtype)
+    rng = np.random.default_rng(seed)
+    shape = (batch, channels, size, size, size)
+    u, lam = (rng.standard_normal(shape).astype(dt) for _ in range(2))
+    K = (rng.standard_normal((channels, channels, 3, 3, 3)) / np.sqrt(27 * channels)).astype(dt)
+    b = rng.standard_normal(channels).astype(dt)
+    h = dt.type(0.1)
+    bk = get_backend(backend)
+
+    def step():
+        y, d = bk.conv3d_forward_deriv(u, K, b, h, 0, True)
+        return (y, d, *bk.conv3d_vjp(lam, d, u, K, h, True))
+
+    return step, lambda: conv3d_im2col_step(u, K, b, lam, h)
+
+
+def bench_conv3d_kernel(channels=8, batch=8, size=16, dtype="float32", seed=0):
+    """GFLOP/s of the numba conv3d step forward + vjp (3 convolutions: forward, state and kernel
+    gradients) against the NumPy im2col + matmul formulation of the same step
+    (:func:`conv3d_im2col_step`), BLAS limited to as many threads as Numba uses."""
+    import numba
+    threads = numba.get_num_threads()
+    step, baseline = conv3d_step_case(channels, batch, size, dtype, "numba", seed)
+    with _blas_threads(threads):
+        t_step, t_base = kernel_time(step), kernel_time(baseline)
+    flops = 3 * 2.0 * batch * size ** 3 * channels * channels * 27
+    g_step, g_base = flops / t_step / 1e9, flops / t_base / 1e9
+    return {"name": f"conv3d step fwd+vjp numba C={channels} B={batch} {size}^3 "
+                    f"{np.dtype(dtype).name} {threads} thr",
+            "time_us": 1e6 * t_step, "gflops": g_step,
+            "baseline": "numpy im2col + matmul (same step)", "baseline_gflops": g_base,
+            "baseline_time_us": 1e6 * t_base, "ratio": g_step / g_base, "target": ">= 0.5"}
+
+
 def bench_bn_conv(channels=16, batch=64, size=28, dtype="float32", seed=0, eps=1e-5):
     """numba conv step with batch norm (conv (identity) -> bn_stats -> bn_act_forward, and back
     through bn_act_vjp_sums -> bn_act_vjp_input -> conv_vjp) against the plain conv step with
@@ -224,6 +297,7 @@ def run_kernels(quick=False):
             bench_layer_overhead(backend="numpy", **LAYER_OVERHEAD)]
     if not quick:
         out.append(bench_conv_kernel())
+        out.append(bench_conv3d_kernel(**CONV3D_STEP))
         out.append(bench_bn_conv())
         out += bench_gru_step()
     return out

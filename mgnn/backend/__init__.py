@@ -21,6 +21,8 @@ KERNELS = (
     "dense_vjp_params",
     "dense_sweep_forward", "dense_sweep_backward",
     "conv_forward", "conv_forward_deriv", "conv_deriv", "conv_vjp_input", "conv_vjp", "conv_vjp_params",
+    "conv3d_forward", "conv3d_forward_deriv", "conv3d_deriv", "conv3d_vjp_input", "conv3d_vjp",
+    "conv3d_vjp_params",
     "avgpool_forward", "avgpool_vjp", "softmax_xent",
     "dense_forward_batched", "dense_vjp_input_batched", "dense_deriv_batched",
     "dense_vjp_params_batched", "conv_forward_batched", "conv_vjp_input_batched",

@@ -12,7 +12,7 @@ import numba
 from numba.extending import overload
 from numba import njit, prange
 
-from .numpy_ref import _int, bn_dims, check_stacked, gate_check
+from .numpy_ref import _int, bn_dims, check_stacked, conv3d_check, gate_check
 
 name = "numba"
 xp = np  #: array module of this backend
@@ -460,6 +460,215 @@ for _f, _ref in ((conv_forward, "conv_forward"), (conv_vjp_params, "conv_vjp_par
                  (conv_forward_deriv, "conv_forward_deriv"), (conv_deriv, "conv_deriv"),
                  (conv_vjp_input, "conv_vjp_input"), (conv_vjp, "conv_vjp")):
     _f.__doc__ = f"Numba kernel; contract of :func:`mgnn.backend.numpy_ref.{_ref}`."
+
+
+# -------------------------------------------------------------------------------------- conv3d
+# 3x3x3 convolution on zero-padded samples stored flat: a sample (C, D, H, W) becomes
+# (C, Np), Np = (D+2)(H+2)(W+2), row stride RS = W+2, plane stride PS = (H+2) RS; the output at
+# (z, y, x) sits at q = (z+1) PS + (y+1) RS + x + 1 and tap (dz, dy, dx) reads q + (dz-1) PS +
+# (dy-1) RS + dx - 1. Each z-plane is one contiguous run of L = (H-1) RS + W positions (the 2 pad
+# columns between rows are computed and ignored, or hold zeros where they are read), so the inner
+# loops are long, unit-stride and vectorise (slices keep every index a non-negative loop counter).
+# "contract" fuses multiply-adds, "reassoc" lets the kernel-gradient dot products vectorise.
+_FAST3 = {"contract", "reassoc"}
+
+
+@njit(cache=True, parallel=True)
+def _pad3_all(x, d, times_d):
+    """(B, C, Np): every sample of x (B, C, D, H, W) [* d] zero-padded by 1 and flattened."""
+    B, C, D, H, Wd = x.shape
+    RS, PS = Wd + 2, (H + 2) * (Wd + 2)
+    out = np.zeros((B, C, (D + 2) * PS), dtype=x.dtype)
+    for task in prange(B * C):
+        bi, c = task // C, task % C
+        for z in range(D):
+            for yy in range(H):
+                q = (z + 1) * PS + (yy + 1) * RS + 1
+                row = out[bi, c, q:q + Wd]
+                for xx in range(Wd):
+                    row[xx] = d[bi, c, z, yy, xx] * x[bi, c, z, yy, xx] if times_d \
+                        else x[bi, c, z, yy, xx]
+    return out
+
+
+@njit(cache=True, fastmath=_FAST3)
+def _corr3_add(xf, Kw, o, acc, D, H, Wd):
+    """acc (Np,) += sum_{i, dz, dy, dx} Kw[o, i, dz, dy, dx] xf[i, q + tap offset] at the interior
+    positions q of the flat padded layout; xf (Ci, Np) one padded sample, Kw (Co, Ci, 3, 3, 3)."""
+    RS, PS = Wd + 2, (H + 2) * (Wd + 2)
+    L = (H - 1) * RS + Wd
+    for i in range(xf.shape[0]):
+        xi = xf[i]
+        for dz in range(3):
+            k00, k01, k02 = Kw[o, i, dz, 0, 0], Kw[o, i, dz, 0, 1], Kw[o, i, dz, 0, 2]
+            k10, k11, k12 = Kw[o, i, dz, 1, 0], Kw[o, i, dz, 1, 1], Kw[o, i, dz, 1, 2]
+            k20, k21, k22 = Kw[o, i, dz, 2, 0], Kw[o, i, dz, 2, 1], Kw[o, i, dz, 2, 2]
+            for z in range(D):
+                q0, a0 = (z + 1) * PS + RS + 1, (z + dz) * PS
+                ar = acc[q0:q0 + L]
+                x0 = xi[a0:a0 + L + 2]
+                x1 = xi[a0 + RS:a0 + RS + L + 2]
+                x2 = xi[a0 + 2 * RS:a0 + 2 * RS + L + 2]
+                for t in range(L):
+                    ar[t] += (k00 * x0[t] + k01 * x0[t + 1] + k02 * x0[t + 2]
+                              + k10 * x1[t] + k11 * x1[t + 1] + k12 * x1[t + 2]
+                              + k20 * x2[t] + k21 * x2[t + 1] + k22 * x2[t + 2])
+
+
+@njit(cache=True, fastmath=_FAST3)
+def _corr3_kernel_grad(sf, xf, D, H, Wd, out):
+    """out (27,) += [sum_q sf[q] xf[q + offset of tap (dz, dy, dx)]] over the interior runs:
+    sf (Np,) one padded output-channel cotangent (zero border), xf (Np,) one padded input
+    channel."""
+    RS, PS = Wd + 2, (H + 2) * (Wd + 2)
+    L = (H - 1) * RS + Wd
+    zero = sf.dtype.type(0)
+    for dz in range(3):
+        t00 = t01 = t02 = t10 = t11 = t12 = t20 = t21 = t22 = zero
+        for z in range(D):
+            q0, a0 = (z + 1) * PS + RS + 1, (z + dz) * PS
+            sr = sf[q0:q0 + L]
+            x0 = xf[a0:a0 + L + 2]
+            x1 = xf[a0 + RS:a0 + RS + L + 2]
+            x2 = xf[a0 + 2 * RS:a0 + 2 * RS + L + 2]
+            for t in range(L):
+                s = sr[t]
+                t00 += s * x0[t]
+                t01 += s * x0[t + 1]
+                t02 += s * x0[t + 2]
+                t10 += s * x1[t]
+                t11 += s * x1[t + 1]
+                t12 += s * x1[t + 2]
+                t20 += s * x2[t]
+                t21 += s * x2[t + 1]
+                t22 += s * x2[t + 2]
+        k = 9 * dz
+        out[k] += t00
+        out[k + 1] += t01
+        out[k + 2] += t02
+        out[k + 3] += t10
+        out[k + 4] += t11
+        out[k + 5] += t12
+        out[k + 6] += t20
+        out[k + 7] += t21
+        out[k + 8] += t22
+
+
+@njit(cache=True, parallel=True)
+def _conv3d_forward(x, K, b, h, act, residual, want_y, want_deriv):
+    """(y [x +] h sigma(z), sigma'(z)), z = conv3x3x3(x, K) + b; an output not wanted is empty."""
+    B, Ci, D, H, Wd = x.shape
+    Co = K.shape[0]
+    RS, PS = Wd + 2, (H + 2) * (Wd + 2)
+    xf = _pad3_all(x, x, False)
+    shape = (B, Co, D, H, Wd)
+    y = np.empty(shape if want_y else (0, 0, 0, 0, 0), dtype=x.dtype)
+    dv = np.empty(shape if want_deriv else (0, 0, 0, 0, 0), dtype=x.dtype)
+    for task in prange(B * Co):
+        bi, o = task // Co, task % Co
+        acc = np.empty(xf.shape[2], dtype=x.dtype)
+        acc[:] = b[o]
+        _corr3_add(xf[bi], K, o, acc, D, H, Wd)
+        for z in range(D):
+            for yy in range(H):
+                q = (z + 1) * PS + (yy + 1) * RS + 1
+                for xx in range(Wd):
+                    zz = acc[q + xx]
+                    if want_y:
+                        v = h * _sig(zz, act)
+                        y[bi, o, z, yy, xx] = x[bi, o, z, yy, xx] + v if residual else v
+                    if want_deriv:
+                        dv[bi, o, z, yy, xx] = _dsig(zz, act)
+    return y, dv
+
+
+@njit(cache=True, parallel=True)
+def _conv3d_vjp_input(sf, gy, Kflip, h, residual, D, H, Wd):
+    """gx = [gy +] h conv3x3x3^T(s, K) from the padded flat s (B, Co, Np); Kflip (Ci, Co, 3, 3,
+    3) = K with in/out swapped and taps reversed (the transpose is a correlation with it)."""
+    B, Ci = sf.shape[0], Kflip.shape[0]
+    RS, PS = Wd + 2, (H + 2) * (Wd + 2)
+    gx = np.empty((B, Ci, D, H, Wd), dtype=sf.dtype)
+    for task in prange(B * Ci):
+        bi, i = task // Ci, task % Ci
+        acc = np.zeros(sf.shape[2], dtype=sf.dtype)
+        _corr3_add(sf[bi], Kflip, i, acc, D, H, Wd)
+        for z in range(D):
+            for yy in range(H):
+                q = (z + 1) * PS + (yy + 1) * RS + 1
+                for xx in range(Wd):
+                    v = h * acc[q + xx]
+                    gx[bi, i, z, yy, xx] = gy[bi, i, z, yy, xx] + v if residual else v
+    return gx
+
+
+@njit(cache=True, parallel=True)
+def _conv3d_param_grad(sf, xf, h, D, H, Wd):
+    """(gK (Co, Ci, 3, 3, 3), gb (Co,)) = h (kernel and bias gradients) from the padded flat
+    s (B, Co, Np) and x (B, Ci, Np); gb is summed in float64."""
+    B, Co, Ci = sf.shape[0], sf.shape[1], xf.shape[1]
+    gK = np.empty((Co, Ci, 3, 3, 3), dtype=sf.dtype)
+    gb = np.empty(Co, dtype=sf.dtype)
+    for task in prange(Co * Ci):
+        o, i = task // Ci, task % Ci
+        acc = np.zeros(27, dtype=sf.dtype)
+        for bi in range(B):
+            _corr3_kernel_grad(sf[bi, o], xf[bi, i], D, H, Wd, acc)
+        for k in range(27):
+            gK[o, i, k // 9, (k // 3) % 3, k % 3] = h * acc[k]
+    for o in prange(Co):
+        t = 0.0
+        for bi in range(B):
+            for q in range(sf.shape[2]):  # the border is zero
+                t += sf[bi, o, q]
+        gb[o] = h * t
+    return gK, gb
+
+
+def _kflip(K):
+    """K (Co, Ci, 3, 3, 3) -> (Ci, Co, 3, 3, 3) with the taps reversed, C-contiguous."""
+    return np.ascontiguousarray(K.transpose(1, 0, 2, 3, 4)[:, :, ::-1, ::-1, ::-1])
+
+
+def conv3d_forward(x, K, b, h, act, residual):
+    h = conv3d_check(x=x, K=K, b=b, h=h, act=act, residual=residual)
+    return _conv3d_forward(x, K, b, h, act, residual, True, False)[0]
+
+
+def conv3d_forward_deriv(x, K, b, h, act, residual):
+    h = conv3d_check(x=x, K=K, b=b, h=h, act=act, residual=residual)
+    return _conv3d_forward(x, K, b, h, act, residual, True, True)
+
+
+def conv3d_deriv(x, K, b, act):
+    conv3d_check(x=x, K=K, b=b, act=act)
+    return _conv3d_forward(x, K, b, x.dtype.type(1), act, False, False, True)[1]
+
+
+def conv3d_vjp_input(gy, deriv, K, h, residual):
+    h = conv3d_check(K=K, gy=gy, deriv=deriv, h=h, residual=residual)
+    D, H, Wd = gy.shape[2:]
+    return _conv3d_vjp_input(_pad3_all(gy, deriv, True), gy, _kflip(K), h, residual, D, H, Wd)
+
+
+def conv3d_vjp(gy, deriv, x, K, h, residual):
+    h = conv3d_check(x=x, K=K, gy=gy, deriv=deriv, h=h, residual=residual)
+    D, H, Wd = gy.shape[2:]
+    sf = _pad3_all(gy, deriv, True)
+    gK, gb = _conv3d_param_grad(sf, _pad3_all(x, x, False), h, D, H, Wd)
+    return _conv3d_vjp_input(sf, gy, _kflip(K), h, residual, D, H, Wd), gK, gb
+
+
+def conv3d_vjp_params(gy, deriv, x, h):
+    h = conv3d_check(x=x, gy=gy, deriv=deriv, h=h)
+    D, H, Wd = gy.shape[2:]
+    return _conv3d_param_grad(_pad3_all(gy, deriv, True), _pad3_all(x, x, False), h, D, H, Wd)
+
+
+for _f in (conv3d_forward, conv3d_forward_deriv, conv3d_deriv, conv3d_vjp_input, conv3d_vjp,
+           conv3d_vjp_params):
+    _f.__doc__ = (f"Numba kernel (direct loops, parallel over (sample, channel) pairs); contract "
+                  f"of :func:`mgnn.backend.numpy_ref.{_f.__name__}`.")
 
 
 # ------------------------------------------------------------------------------ pooling, loss

@@ -73,6 +73,8 @@ def _exercise(bk, rng, dt, B=9, w=10):
     bk.dense_sweep_forward(U, Ws, bs, h, 0, D)
     REF.dense_sweep_forward(Ur, Ws, bs, h, 0, Dr)
     gW, gb, gWr, gbr = np.zeros_like(Ws), np.zeros_like(bs), np.zeros_like(Ws), np.zeros_like(bs)
+    v, K3, cb3, gv = r(2, 2, 3, 4, 2), r(2, 2, 3, 3, 3), r(2), r(2, 2, 3, 4, 2)
+    cd3 = REF.conv3d_deriv(v, K3, cb3, 0)
     out = {
         "dense_forward_deriv": (bk.dense_forward_deriv(x, W, b, h, 0, True),
                                 REF.dense_forward_deriv(x, W, b, h, 0, True)),
@@ -87,6 +89,10 @@ def _exercise(bk, rng, dt, B=9, w=10):
         "conv_forward_deriv": (bk.conv_forward_deriv(u, K, cb, h, 1, True),
                                REF.conv_forward_deriv(u, K, cb, h, 1, True)),
         "conv_vjp": (bk.conv_vjp(gu, cd, u, K, h, True), REF.conv_vjp(gu, cd, u, K, h, True)),
+        "conv3d": ((bk.conv3d_forward_deriv(v, K3, cb3, h, 0, True),
+                    bk.conv3d_vjp(gv, cd3, v, K3, h, True)),
+                   (REF.conv3d_forward_deriv(v, K3, cb3, h, 0, True),
+                    REF.conv3d_vjp(gv, cd3, v, K3, h, True))),
         "conv_batched": ((bk.conv_forward_batched([u], K[None], cb[None], [0], h, 0, False)[0],
                           bk.conv_vjp_input_batched([gu], [cd], K[None], [0], h)),
                          (REF.conv_forward_batched([u], K[None], cb[None], [0], h, 0, False)[0],

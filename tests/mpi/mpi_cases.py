@@ -294,6 +294,51 @@ def case_network():
                           "checked": checked}))
 
 
+def case_spatial_network():
+    """Spatial coarsening in LayerParallel on layer ranks x data replicas = SIZE equals one
+    process with the same options (fixed cycles) and serial backprop (converged); 2D and 3D."""
+    import mgnn
+    data_ranks = int(sys.argv[2])
+    rng = np.random.default_rng(11)
+    nets = [("2d", mgnn.conv_resnet(1, 2, (9, 8), 3, 14, seed=1), (1, 9, 8), (0,)),
+            ("2d-two", mgnn.conv_resnet(1, 2, (8, 8), 3, 16, seed=2), (1, 8, 8), (0, 1)),
+            ("3d", mgnn.conv_resnet(1, 2, (7, 6, 5), 3, 14, seed=3), (1, 7, 6, 5), (0,))]
+    checked = 0
+    for kind, model, shape, spatial in nets:
+        x, y = rng.standard_normal((8,) + shape), rng.integers(0, 3, 8)
+        exact_loss, exact = mgnn.LayerParallel(model, backend="numpy").loss_and_grad(x, y)
+        for name, fwd, bwd in (
+                ("fixed", MGRITOptions(cf=2, max_levels=3, tol=0.0, max_iter=2),
+                 MGRITOptions(cf=2, max_levels=3, tol=0.0, max_iter=1)),
+                ("converged", MGRITOptions(cf=2, max_levels=3, tol=1e-13, max_iter=60,
+                                           warn_not_converged=False),
+                 MGRITOptions(cf=2, max_levels=3, tol=1e-13, max_iter=60,
+                              warn_not_converged=False))):
+            single = mgnn.LayerParallel(model, fwd=fwd, bwd=bwd, backend="numba",
+                                        spatial_levels=spatial)
+            loss1, g1 = single.loss_and_grad(x, y)
+            lp = mgnn.LayerParallel(model, fwd=fwd, bwd=bwd, comm=COMM, data_ranks=data_ranks,
+                                    backend="numba", spatial_levels=spatial)
+            shard = np.array_split(np.arange(8), data_ranks)[lp.replica]
+            loss, g = lp.loss_and_grad(x[shard], y[shard])
+            full = lp.gather(g)
+            what = f"{kind} {name}"
+            _close(loss, loss1, 1e-12, f"{what} loss")
+            for k in g1:
+                _close(full[k], g1[k], 1e-12, f"{what} grad {k}")
+            for part in ("forward", "adjoint"):
+                _close(lp.stats[part]["residuals"], single.stats[part]["residuals"], 1e-12,
+                       f"{what} {part} residuals")
+            if name == "converged":
+                _close(loss, exact_loss, 1e-10, f"{what} vs backprop loss")
+                for k in exact:
+                    _close(full[k], exact[k], 1e-10, f"{what} vs backprop {k}")
+            checked += 1
+    if RANK == 0:
+        print(json.dumps({"case": "spatial_network", "ranks": SIZE, "data_ranks": data_ranks,
+                          "checked": checked}))
+
+
 def case_bad_input():
     """Bad input on one rank: every rank raises the ValueError (no hang)."""
     import mgnn

@@ -48,6 +48,13 @@ def test_spatial_coarsening_distributed_equals_serial(ranks):
     assert out["ranks"] == ranks and out["configs"] == 16
 
 
+@pytest.mark.parametrize("ranks, data_ranks", [(2, 1), (3, 1), (4, 1), (4, 2)])
+def test_spatial_coarsening_network_distributed_equals_one_process(ranks, data_ranks):
+    out = _json(mpirun(ranks, "-m", "tests.mpi.mpi_cases", "spatial_network", str(data_ranks),
+                       timeout=240))
+    assert out["ranks"] == ranks and out["checked"] == 6
+
+
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_reference_cases_distributed(ranks):
     out = _json(mpirun(ranks, "-m", "tests.mpi.mpi_cases", "reference"))
