@@ -100,7 +100,8 @@ def abort_on_error(comm, what="mgnn", collective=()):
     propagator) included, is reported with the rank and ends every rank of ``comm`` with
     ``comm.Abort(status)``, status from :func:`exit_status` (never 0), so no rank is left waiting
     for a message. SIGINT is ignored while aborting, so a second Ctrl-C cannot interrupt it.
-    Serial runs (``comm`` None or of size 1) re-raise. Either way an interrupt inside a Numba
+    Serial runs (``comm`` None or of size 1) and virtual ranks (:mod:`mgnn.comm.virtual`, whose
+    scheduler ends every rank) re-raise. Either way an interrupt inside a Numba
     kernel is reported as a ``KeyboardInterrupt``, not as the ``SystemError`` it surfaces as.
 
     ``collective``: exception types that every rank raises at the same point (e.g. an MGRIT
@@ -110,11 +111,19 @@ def abort_on_error(comm, what="mgnn", collective=()):
     try:
         yield
     except BaseException as exc:
-        if comm is None or comm.Get_size() == 1 or (collective and isinstance(exc, collective)):
+        if comm is None or comm.Get_size() == 1 or _virtual(comm) or \
+                (collective and isinstance(exc, collective)):
             if isinstance(exc, SystemError) and interrupt_behind(exc) is not None:
                 raise KeyboardInterrupt().with_traceback(exc.__traceback__) from None
             raise
         _abort(comm, exc, what)
+
+
+def _virtual(comm):
+    """Whether ``comm`` is a virtual communicator (:mod:`mgnn.comm.virtual`): its scheduler ends
+    every rank when one raises, so no ``Abort`` (its report, sleep and ``os._exit`` fallback) and
+    no process-wide hook that would outlive the virtual run."""
+    return getattr(comm, "is_virtual", False) is True
 
 
 #: The communicator :func:`abort_on_uncaught` ends (the first one registered), or None.
@@ -128,10 +137,10 @@ def abort_on_uncaught(comm, what="mgnn"):
 
     Chains to the previous ``sys.excepthook`` (the traceback is printed first), then aborts with
     :func:`exit_status`. Installed once per process (by every distributed :class:`Layout` and
-    :class:`~mgnn.mgrit.MGRITSolver`); a no-op for ``None`` or a size-1 communicator. Exceptions
-    the program catches are not affected.
+    :class:`~mgnn.mgrit.MGRITSolver`); a no-op for ``None``, a size-1 or a virtual
+    communicator. Exceptions the program catches are not affected.
     """
-    if comm is None or comm.Get_size() == 1 or _UNCAUGHT:
+    if comm is None or comm.Get_size() == 1 or _virtual(comm) or _UNCAUGHT:
         return
     _UNCAUGHT.append(comm)
     previous = sys.excepthook
