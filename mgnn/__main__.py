@@ -115,9 +115,12 @@ def _bench_parser(sub):
                                    "(run under mpiexec -n P, or it launches mpiexec itself), "
                                    "writing CSV, JSON and PNG plots.",
                        epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("suite", choices=["kernels", "mgrit", "scaling", "gpu-launches", "recurrent"],
+    p.add_argument("suite", choices=["kernels", "mgrit", "scaling", "gpu-launches", "recurrent",
+                                     "spatial", "spatial-step"],
                    help="which benchmark (gpu-launches: launches and host time of a GPU "
-                        "training step, no GPU needed)")
+                        "training step, no GPU needed; spatial: MGRIT convergence and work per "
+                        "cycle with and without spatial coarsening, 2D and 3D; spatial-step: "
+                        "time per training step of a 3D conv ResNet, under mpiexec -n P too)")
     p.add_argument("--quick", action="store_true", help="fewer cases / smaller sizes")
     p.add_argument("--json", action="store_true", help="kernels/mgrit: JSON lines")
     g = p.add_argument_group("scaling")
@@ -140,6 +143,13 @@ def _bench_parser(sub):
                         "bwd_iters at the largest P (repeatable)")
     g.add_argument("--repeats", type=int, default=5, help="timed steps per point (median)")
     g.add_argument("--out", default="results/scaling", help="output folder")
+    g = p.add_argument_group("spatial-step (also --layers, --batch-size, --levels, --cf, "
+                             "--fwd-iters, --bwd-iters, --repeats)")
+    g.add_argument("--volume-size", type=int, default=31, metavar="S",
+                   help="S^3 volumes (default 31, the peer's ModelNet setting)")
+    g.add_argument("--channels", type=int, default=4, help="state channels (default 4)")
+    g.add_argument("--spatial-levels", default="0", metavar="L1,L2",
+                   help="levels coarsened in space below them ('' for none; default 0)")
     return p
 
 
@@ -532,6 +542,8 @@ def cmd_bench(args):
     if args.suite == "scaling":
         from .scaling import main as scaling_main
         return scaling_main(args)
+    if args.suite in ("spatial", "spatial-step"):
+        return _bench_spatial(args)
     if args.suite == "recurrent":  # prints its table row by row (long at full size)
         from .bench import bench_gru_coarse
         results = bench_gru_coarse(seq_lens=(64, 128) if args.quick else (128, 512, 1024),
@@ -554,6 +566,39 @@ def cmd_bench(args):
     elif text is not None:
         print(text)
     return results
+
+
+def _bench_spatial(args):
+    """``bench spatial`` (the convergence table) and ``bench spatial-step`` (every rank of
+    ``mpiexec -n P`` takes part; rank 0 prints)."""
+    from . import bench_spatial as bs
+    if args.suite == "spatial":
+        rows = bs.convergence_table(quick=args.quick)
+        print("\n".join(json.dumps(r) for r in rows) if args.json else bs.format_convergence(rows))
+        return rows
+    text = (args.spatial_levels or "").strip()
+    try:
+        spatial = tuple(int(v) for v in text.split(",")) if text else ()
+    except ValueError:
+        raise ValueError(f"--spatial-levels must be comma-separated ints, got {text!r}") from None
+    comm = None
+    if _mpi_size_from_env() > 1:
+        from mpi4py import MPI
+        comm = MPI.COMM_WORLD
+    row = bs.training_step(size=(args.volume_size,) * 3, n_layers=args.n_layers,
+                           channels=args.channels, batch=args.batch, cf=args.cf,
+                           levels=args.levels, spatial=spatial, fwd_iters=args.fwd_iters,
+                           bwd_iters=args.bwd_iters, repeats=args.repeats, comm=comm)
+    if comm is None or comm.Get_rank() == 0:
+        if args.json:
+            print(json.dumps(row))
+        else:
+            print(f"{row['size']} volumes, N={row['layers']}, C={row['channels']}, "
+                  f"B={row['batch']}, spatial levels {row['spatial']}, {row['ranks']} rank(s): "
+                  f"{row['seconds_per_step']:.3f} s per training step")
+            for part in ("forward", "adjoint"):
+                print(f"  {part} residuals " + " ".join(f"{r:.3e}" for r in row[part]))
+    return [row]
 
 
 def _tune_malloc():
