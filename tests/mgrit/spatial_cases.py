@@ -117,9 +117,9 @@ def two_level_reference(prop, u0, n_steps, cf, iters):
     return hist, u
 
 
-class StackedStencil(Stencil):
-    """Stencil through the stacked protocol (one array per level store): the solver's
-    StackedEngine with per-level shapes."""
+class StackedByStep:
+    """The stacked protocol (:class:`mgnn.mgrit.engines.StackedEngine`) over a propagator's
+    ``step``: one array per level store; ``points`` returns ``self._norm(total)``."""
 
     stacked = True
 
@@ -143,4 +143,11 @@ class StackedStencil(Stencil):
                 R[o] = (R[o] + U[i]) - phi
             else:
                 R[o] = phi if G is None else phi + G[i]
+        return self._norm(total)
+
+    def _norm(self, total):
         return total
+
+
+class StackedStencil(StackedByStep, Stencil):
+    """Stencil through the stacked protocol: the solver's StackedEngine with per-level shapes."""

@@ -12,6 +12,7 @@ from mpi4py import MPI
 
 from mgnn import MGRITOptions, MGRITSolver
 from mgnn.mgrit.partition import Partition, block_starts
+from tests.mgrit.spatial_cases import StackedByStep
 
 COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
@@ -59,36 +60,15 @@ class BatchedReplicaTanh(Tanh):
         return plain
 
 
-class StackedPullTanh(PullTanh):
+class StackedPullTanh(StackedByStep, PullTanh):
     """PullTanh through the stacked protocol; like a GPU backend, ``points`` returns its squared
     norm in one 0-d array that the next call overwrites."""
-
-    stacked = True
 
     def __init__(self, n):
         super().__init__(n)
         self.norm = np.zeros(())
 
-    def _phi(self, U, i, origin, stride, level):
-        return self.step(U[i - 1], origin + (i - 1) * stride, origin + i * stride, level)
-
-    def advance(self, U, G, chains, origin, stride, level):
-        for first, length in chains:
-            for i in range(first, first + length):
-                v = self._phi(U, i, origin, stride, level)
-                U[i] = v if G is None else v + G[i]
-
-    def points(self, U, G, R, slots, out_slots, origin, stride, level, mode):
-        total = 0.0
-        for i, o in zip(slots, out_slots):
-            phi = self._phi(U, i, origin, stride, level)
-            if mode == 0:
-                R[o] = phi - U[i] + (0 if G is None else G[i])
-                total += float(np.vdot(R[o], R[o]))
-            elif mode == 1:
-                R[o] = (R[o] + U[i]) - phi
-            else:
-                R[o] = phi if G is None else phi + G[i]
+    def _norm(self, total):
         self.norm[()] = total
         return self.norm
 
