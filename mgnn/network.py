@@ -503,9 +503,13 @@ class _SpatialLevels:
 
     stacked = batched = False
 
-    def _spatial_setup(self, levels, interp, restrict):
+    def _spatial_setup(self, model, levels, interp, restrict):
         self.spatial_levels, self.interp, self.restrict_kind = tuple(levels), interp, restrict
-        self._fine_shapes = {}
+        # the image size a coarsened level is interpolated back to: from the model, per level
+        size, self._fine_size = model.step.state_shape(1)[2:], {}
+        for lev in sorted(self.spatial_levels):
+            self._fine_size[lev] = size
+            size = grid_transfer.coarse_shape(size)
 
     def coarsenings(self, level):
         """How often a level-``level`` state has been coarsened in space."""
@@ -523,20 +527,19 @@ class SpatialForwardPropagator(_SpatialLevels, ForwardPropagator):
                  restrict="full"):
         ForwardPropagator.__init__(self, model, bk, ctx)
         self.stacked = self.batched = False
-        self._spatial_setup(spatial_levels, interp, restrict)
+        self._spatial_setup(model, spatial_levels, interp, restrict)
 
     def restrict(self, u, level):
         """Level ``level`` -> level + 1: R u where the level is coarsened, else a copy."""
         if level not in self.spatial_levels:
             return u.copy()
-        self._fine_shapes[level] = u.shape
         return grid_transfer.restrict(u, self.interp, self.restrict_kind)
 
     def interpolate(self, e, level):
         """Level ``level`` + 1 -> level: P e where the level is coarsened, else a copy."""
         if level not in self.spatial_levels:
             return e.copy()
-        return grid_transfer.interpolate(e, self._fine_shapes[level][2:], self.interp)
+        return grid_transfer.interpolate(e, self._fine_size[level], self.interp)
 
 
 class SpatialAdjointPropagator(_SpatialLevels, AdjointPropagator):
@@ -550,7 +553,7 @@ class SpatialAdjointPropagator(_SpatialLevels, AdjointPropagator):
                  interp="linear", restrict="full"):
         AdjointPropagator.__init__(self, model, states, derivs, bk, ctx)
         self.stacked = self.batched = False
-        self._spatial_setup(spatial_levels, interp, restrict)
+        self._spatial_setup(model, spatial_levels, interp, restrict)
         self._coarse = {}  # (n, k) -> (R^k u_n, its linearisation cache), for this solve
 
     def reset(self, states, derivs):
@@ -560,13 +563,12 @@ class SpatialAdjointPropagator(_SpatialLevels, AdjointPropagator):
     def restrict(self, lam, level):
         if level not in self.spatial_levels:
             return lam.copy()
-        self._fine_shapes[level] = lam.shape
         return grid_transfer.interpolate_transpose(lam, self.interp)
 
     def interpolate(self, e, level):
         if level not in self.spatial_levels:
             return e.copy()
-        return grid_transfer.restrict_transpose(e, self._fine_shapes[level][2:], self.interp,
+        return grid_transfer.restrict_transpose(e, self._fine_size[level], self.interp,
                                                 self.restrict_kind)
 
     def _coarse_cache(self, n, k):
@@ -575,7 +577,7 @@ class SpatialAdjointPropagator(_SpatialLevels, AdjointPropagator):
         hit = self._coarse.get(key)
         if hit is None:
             u = self.U[n]
-            for lev in sorted(self.spatial_levels)[:k]:
+            for _ in range(k):
                 u = grid_transfer.restrict(u, self.interp, self.restrict_kind)
             hit = self._coarse[key] = (u, self.kind.linearize(self.P, n, u, self.bk, self.ctx))
         return hit
