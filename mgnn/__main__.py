@@ -116,18 +116,23 @@ def _bench_parser(sub):
                                    "writing CSV, JSON and PNG plots.",
                        epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("suite", choices=["kernels", "mgrit", "scaling", "gpu-launches", "recurrent",
-                                     "spatial", "spatial-step"],
+                                     "spatial", "spatial-step", "calibrate", "predict"],
                    help="which benchmark (gpu-launches: launches and host time of a GPU "
                         "training step, no GPU needed; spatial: MGRIT convergence and work per "
                         "cycle with and without spatial coarsening, 2D and 3D; spatial-step: "
-                        "time per training step of a 3D conv ResNet, under mpiexec -n P too)")
+                        "time per training step of a 3D conv ResNet, under mpiexec -n P too; "
+                        "calibrate: this machine's kernel costs and MPI alpha/beta into --costs; "
+                        "predict: time per training step on P virtual ranks from --costs, "
+                        "docs/virtual_ranks.md)")
     p.add_argument("--quick", action="store_true", help="fewer cases / smaller sizes")
     p.add_argument("--json", action="store_true", help="kernels/mgrit: JSON lines")
     g = p.add_argument_group("scaling")
-    g.add_argument("--ranks", default="1,2,4", help="process counts P (default 1,2,4)")
-    g.add_argument("--model", choices=["dense", "gru"], default="dense",
+    g.add_argument("--ranks", default=None,
+                   help="process counts P (default 1,2,4; predict: 1,2,4,...,4096)")
+    g.add_argument("--model", choices=["dense", "gru", "conv"], default="dense",
                    help="scaling: dense ResNet over N layers, or a GRU over N time steps "
-                        "(hidden = --width, 4 input features; no pipeline baseline)")
+                        "(hidden = --width, 4 input features; no pipeline baseline); "
+                        "calibrate/predict: dense or conv (MNIST-sized 28 x 28 images)")
     g.add_argument("--layers", "--n-layers", dest="n_layers", type=int, default=256, metavar="N",
                    help="residual layers N (default 256)")
     g.add_argument("--width", type=int, default=64, help="state width (default 64)")
@@ -137,18 +142,42 @@ def _bench_parser(sub):
     g.add_argument("--cf", type=int, default=4, help="coarsening factor (default 4)")
     g.add_argument("--fwd-iters", type=int, default=2, help="forward cycles (default 2)")
     g.add_argument("--bwd-iters", type=int, default=1, help="adjoint cycles (default 1)")
-    g.add_argument("--micro", default="1,2,4,8", help="pipeline micro-batch counts M")
+    g.add_argument("--micro", default=None,
+                   help="pipeline micro-batch counts M (default 1,2,4,8; predict: 4,16)")
     g.add_argument("--sweep", action="append", metavar="KEY=V1,V2",
                    help="also vary one of n_layers, width, batch, levels, cf, fwd_iters, "
                         "bwd_iters at the largest P (repeatable)")
     g.add_argument("--repeats", type=int, default=5, help="timed steps per point (median)")
-    g.add_argument("--out", default="results/scaling", help="output folder")
+    g.add_argument("--out", default=None,
+                   help="output folder (default results/scaling; predict: results/predict)")
+    g = p.add_argument_group("calibrate / predict (also --model, --layers, --width, --batch-size, "
+                             "--levels, --cf, --fwd-iters, --bwd-iters, --micro, --ranks, "
+                             "--channels, --repeats, --out)")
+    g.add_argument("--costs", default=None, metavar="PATH",
+                   help="cost table JSON: calibrate writes it, predict reads it (default "
+                        "results/costs-<model>-<dtype>.json; predict calibrates it when missing)")
+    g.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    g.add_argument("--in-features", type=int, default=None,
+                   help="dense: input features (default the width)")
+    g.add_argument("--network", choices=["calibrated", "shared", "ib-hdr", "nvlink"],
+                   default="calibrated",
+                   help="predict: message costs (default: the table's measured alpha/beta)")
+    g.add_argument("--cores", type=int, default=None,
+                   help="predict: cores the ranks share (P > cores stretches compute by "
+                        "P / cores: an oversubscribed single machine); default: a core each")
+    g.add_argument("--coarsest", choices=["redundant", "sequential"], default="redundant",
+                   help="predict: MGRIT's coarsest level (default redundant)")
+    g.add_argument("--weak", action="store_true",
+                   help="predict: also weak scaling (N = --layers x P / first P)")
+    g.add_argument("--threads", type=int, default=1,
+                   help="calibrate: Numba threads per rank while measuring (default 1)")
     g = p.add_argument_group("spatial-step (also --layers, --batch-size, --levels, --cf, "
                              "--fwd-iters, --bwd-iters, --repeats)")
     g.add_argument("--volume-size", type=int, default=31, metavar="S",
                    help="S^3 volumes (default 31, the peer's ModelNet setting)")
-    g.add_argument("--channels", type=int, default=4, help="state channels (default 4)")
-    g.add_argument("--spatial-levels", default="0", metavar="L1,L2",
+    g.add_argument("--channels", type=int, default=None,
+                   help="state channels (default 4; predict/calibrate: 8)")
+    g.add_argument("--spatial-levels", default=None, metavar="L1,L2",
                    help="levels coarsened in space below them ('' for none; default 0)")
     return p
 
@@ -165,7 +194,8 @@ _INT_BOUNDS = {"layers": (1, None), "n_layers": (1, None), "width": (1, None),
                "limit_test": (1, None), "seed": (0, 2**63 - 1), "levels": (1, 64),
                "cf": (2, None), "fwd_iters": (1, 10**4), "bwd_iters": (1, 10**4),
                "min_coarse": (1, None), "layer_ranks": (1, None), "data_ranks": (1, None),
-               "repeats": (1, 10**6), "volume_size": (8, None)}
+               "repeats": (1, 10**6), "volume_size": (8, None), "in_features": (1, None),
+               "cores": (1, None), "threads": (1, 4096)}
 # (least, least is allowed, most, most is allowed)
 _FLOAT_BOUNDS = {"t_final": (0.0, False, None, False), "lr": (0.0, False, None, False),
                  "momentum": (0.0, True, 1.0, False), "weight_decay": (0.0, True, None, False),
@@ -539,8 +569,17 @@ def _print_timings(comm, lp, timings, train_s, log):
 def cmd_bench(args):
     """Run ``bench``; returns the list of results."""
     from .bench import bench_mgrit, format_mgrit, format_results, run_kernels
+    if args.suite in ("calibrate", "predict"):
+        from .predict import main
+        return main(args)
     if args.suite == "scaling":
         from .scaling import main as scaling_main
+        if args.model == "conv":
+            raise ValueError("bench scaling: --model conv is not measured (dense or gru; "
+                             "bench predict covers conv)")
+        args.ranks = args.ranks or "1,2,4"
+        args.micro = args.micro or "1,2,4,8"
+        args.out = args.out or "results/scaling"
         return scaling_main(args)
     if args.suite in ("spatial", "spatial-step"):
         return _bench_spatial(args)
@@ -576,7 +615,7 @@ def _bench_spatial(args):
         rows = bs.convergence_table(quick=args.quick)
         print("\n".join(json.dumps(r) for r in rows) if args.json else bs.format_convergence(rows))
         return rows
-    text = (args.spatial_levels or "").strip()
+    text = ("0" if args.spatial_levels is None else args.spatial_levels).strip()
     try:
         spatial = tuple(int(v) for v in text.split(",")) if text else ()
     except ValueError:
@@ -586,7 +625,7 @@ def _bench_spatial(args):
         from mpi4py import MPI
         comm = MPI.COMM_WORLD
     row = bs.training_step(size=(args.volume_size,) * 3, n_layers=args.n_layers,
-                           channels=args.channels, batch=args.batch, cf=args.cf,
+                           channels=args.channels or 4, batch=args.batch, cf=args.cf,
                            levels=args.levels, spatial=spatial, fwd_iters=args.fwd_iters,
                            bwd_iters=args.bwd_iters, repeats=args.repeats, comm=comm)
     if comm is None or comm.Get_rank() == 0:

@@ -726,18 +726,15 @@ class LayerParallel:
             replicas = _ReplicaGather(self.layout.data_comm)
         self.ctx = StepContext(seed=model.dropout_seed, buffers=model.group_buffers(),
                                replicas=replicas)
-        work = layer_work_model(N, fwd, bwd, self.coarsest)
-        align = fwd.cf if fwd is not None else 1
-        starts = balanced_starts(N, P, align, work=work, extra_first=OPENING_WORK,
-                                 extra_last=CLOSING_WORK)
-        self.partition = Partition(N, tuple(starts), tuple(range(P)))
+        starts, work_per_block = _balanced_layers(N, P, _options_key(fwd), _options_key(bwd),
+                                                  fwd, bwd, self.coarsest)
+        self.partition = Partition(N, starts, tuple(range(P)))
         self.adjoint_partition = self.partition.mirrored()
         #: modelled layer evaluations per training step of each layer rank (balanced)
-        self.block_work = block_work(N, starts, work=work, extra_first=OPENING_WORK,
-                                     extra_last=CLOSING_WORK)
+        self.block_work = list(work_per_block)
         lo, hi = self.partition.fine_range(self.layout.layer_rank)
         self.layers = range(lo, min(hi, N))
-        self.owned = self._owned_mask()
+        self._owned = None  # built on first use (a bool per parameter entry)
         self.stats = {}
         self._previous_states = None
         self._solvers = {}
@@ -779,6 +776,15 @@ class LayerParallel:
             return own, own
         mine = lay.first if group == "opening" else lay.last
         return (whole, whole) if mine else (None, None)
+
+    @property
+    def owned(self):
+        """Entries this rank owns, as a boolean mask of the flat parameter buffer (see
+        :meth:`_rows`); built when first needed, so that a rank that never gathers holds no
+        parameter-sized mask."""
+        if self._owned is None:
+            self._owned = self._owned_mask()
+        return self._owned
 
     def _owned_mask(self):
         """Entries this rank owns (reports in :meth:`gather` / :meth:`gather_params`; see
@@ -1243,16 +1249,17 @@ class LayerParallel:
         second = derivs if adjoint else steps["bias"]
         rows = [N - (r + 1) * S for r in range(n_c)] if adjoint else [r * S for r in range(n_c)]
         shape2 = second.shape[1:]
-        key = (adjoint, shape2)
-        cache = self._replica_buffers.get(key)
-        if cache is None:
-            size_w, size_2 = n_c * W[0].size, n_c * int(np.prod(shape2, dtype=np.int64))
-            flat = self.xp.empty(size_w + size_2, dtype=m.dtype)
-            cache = self._replica_buffers[key] = (
-                flat, flat[:size_w].reshape((n_c,) + W.shape[1:]),
-                flat[size_w:].reshape((n_c,) + shape2))
-        flat, Wc, Sc = cache
-        flat[...] = 0
+        size_w, size_2 = n_c * W[0].size, n_c * int(np.prod(shape2, dtype=np.int64))
+        if self.xp is np:  # fresh zero pages each solve (the allreduce writes them all anyway)
+            flat = np.zeros(size_w + size_2, dtype=m.dtype)
+        else:  # one device buffer, zeroed each solve
+            key = (adjoint, shape2)
+            flat = self._replica_buffers.get(key)
+            if flat is None:
+                flat = self._replica_buffers[key] = self.xp.empty(size_w + size_2, m.dtype)
+            flat[...] = 0
+        Wc = flat[:size_w].reshape((n_c,) + W.shape[1:])
+        Sc = flat[size_w:].reshape((n_c,) + shape2)
         lo, hi = self.layers.start, self.layers.stop
         for r, n in enumerate(rows):
             if lo <= n < hi:
@@ -1380,6 +1387,36 @@ def _spatial_options(model, spatial_levels, interp, restrict, fwd, bwd):
             raise ValueError(f"image size {shape} cannot be coarsened {len(levels)} times for "
                              f"spatial_levels={levels!r}: {exc}") from None
     return levels, interp, restrict
+
+
+def _options_key(opts):
+    """What of MGRITOptions ``opts`` (or None) the layer work model depends on, hashable."""
+    if opts is None:
+        return None
+    return (opts.cf, opts.max_levels, opts.min_coarse, opts.skip_downcycle, opts.max_iter,
+            opts.cycle, tuple(opts.nrelax_on(lev) for lev in range(opts.max_levels)))
+
+
+_LAYER_SPLITS = {}  # (N, P, option keys, coarsest) -> (starts, work per block)
+
+
+def _balanced_layers(N, P, fwd_key, bwd_key, fwd, bwd, coarsest):
+    """(starts, work per block) of N layers on P layer ranks (:func:`balanced_starts` over
+    :func:`layer_work_model`), computed once per configuration in a process: virtual ranks
+    build the same split P times. ``fwd_key``/``bwd_key``: :func:`_options_key` of the options."""
+    key = (N, P, fwd_key, bwd_key, coarsest)
+    got = _LAYER_SPLITS.get(key)
+    if got is None:
+        work = layer_work_model(N, fwd, bwd, coarsest)
+        align = fwd.cf if fwd is not None else 1
+        starts = balanced_starts(N, P, align, work=work, extra_first=OPENING_WORK,
+                                 extra_last=CLOSING_WORK)
+        got = (tuple(starts), tuple(block_work(N, starts, work=work, extra_first=OPENING_WORK,
+                                               extra_last=CLOSING_WORK)))
+        if len(_LAYER_SPLITS) > 64:
+            _LAYER_SPLITS.clear()
+        _LAYER_SPLITS[key] = got
+    return got
 
 
 def layer_work_model(n_layers, fwd, bwd, coarsest="redundant"):

@@ -118,7 +118,7 @@ class Halo(SerialHalo):
         # nonblocking and polled (wait_request): a blocking collective spins on its core, which
         # starves ranks that share cores and still have work before they reach it
         wait_request(self.comm.Iallgatherv(
-            [send, mpi_type], [recv, ([c * row for c in counts], [d * row for d in displs]),
+            [send, mpi_type], [recv, (np.asarray(counts) * row, np.asarray(displs) * row),
                                mpi_type]))
         self.timers["halo_wait"] += time.perf_counter() - t0
 

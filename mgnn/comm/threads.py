@@ -64,7 +64,9 @@ def node_share(comm):
         masks = local.allgather(mine)
     finally:
         local.Free()
-    return len(masks), sum(1 for m in masks if m & mine) or 1, len(mine)
+    from collections import Counter
+    overlapping = sum(n for m, n in Counter(masks).items() if m & mine)
+    return len(masks), overlapping or 1, len(mine)
 
 
 def _env_int(environ, names):
@@ -89,7 +91,13 @@ def _blas_controllers(load_numba_blas):
         except ImportError:
             pass
     from threadpoolctl import ThreadpoolController
-    return ThreadpoolController().select(user_api="blas").lib_controllers
+    loaded = len(sys.modules)  # a new library can only come with a new module
+    if _CONTROLLERS.get("modules") != loaded:
+        _CONTROLLERS.update(modules=loaded, blas=ThreadpoolController().select(user_api="blas"))
+    return _CONTROLLERS["blas"].lib_controllers
+
+
+_CONTROLLERS = {}  # the BLAS controllers found at a count of loaded modules (scans are slow)
 
 
 def _numba(n=None, why=None, environ=None):

@@ -100,6 +100,7 @@ import sys
 import threading
 import time
 import warnings
+import zlib
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -240,7 +241,7 @@ class VirtualResults(list):
 # rank states
 _NEW, _READY, _RUNNING, _BLOCKED, _DONE = "new", "ready", "running", "blocked", "done"
 
-_local = threading.local()  # .rank: the _Rank this thread runs (unset outside virtual ranks)
+_local = threading.local()  # .rank: the _Rank running in this thread (None outside virtual ranks)
 
 
 _WARNING_STATE = ("filters", "showwarning", "_showwarnmsg_impl")
@@ -266,15 +267,13 @@ def _swap_warnings(rank):
 
 
 class _Rank:
-    __slots__ = ("index", "clock", "stats", "gate", "thread", "status", "waiting", "result",
-                 "comm", "trace", "warnings")
+    __slots__ = ("index", "clock", "stats", "glet", "status", "waiting", "result", "comm",
+                 "trace", "warnings")
 
     def __init__(self, index, trace):
         self.index, self.clock, self.trace = index, 0.0, trace
         self.stats = RankStats(index)
-        self.gate = threading.Lock()
-        self.gate.acquire()  # the baton: released by whoever hands it to this rank
-        self.thread = self.waiting = self.result = self.comm = self.warnings = None
+        self.glet = self.waiting = self.result = self.comm = self.warnings = None
         self.status = _NEW
 
     def event(self, kind, t0, t1, what=""):
@@ -348,7 +347,9 @@ class _World:
         self.done = 0
         self.running = None
         self.failure = None  # (kind, rank or None, exception)
-        self.finished = threading.Event()
+        self.main = self.deadline = self.timeout_s = None
+        self.calls = 0
+        self.payloads = True
         self.unexpected, self.posted = {}, {}  # (ctx, src, dst, tag) -> deque
         self.collectives = {}  # (ctx, sequence) -> _Collective
         self.contexts = 0
@@ -361,9 +362,10 @@ class _World:
         self.labels[ctx] = label
         return ctx
 
-    def dispatch(self):
-        """Hand the baton to the next ready rank; called by the baton holder as it blocks or
-        ends (and once by the main thread to start)."""
+    def pick(self):
+        """The next rank to run (popped from the ready heap), or None when every rank has
+        ended; a run with live ranks and none ready is a deadlock (recorded as the failure,
+        and the blocked ranks are woken to end)."""
         while True:
             if self.failure is not None and self.blocked:  # wake them to raise VirtualStop
                 for r in sorted(self.blocked.values(), key=lambda r: r.index):
@@ -372,9 +374,7 @@ class _World:
                 self.blocked.clear()
             if not self.heap:
                 if self.done == self.size:
-                    self.running = None
-                    self.finished.set()
-                    return
+                    return None
                 self.failure = ("deadlock", None, self._deadlock())
                 continue
             _, i = heapq.heappop(self.heap)
@@ -383,18 +383,33 @@ class _World:
                 rank.status = _DONE  # never started: nothing to unwind
                 self.done += 1
                 continue
-            started = rank.status != _NEW
+            return rank
+
+    def schedule(self, deadline=None):
+        """The scheduler loop (in the caller of :func:`run_virtual`): run the next rank until
+        it blocks or ends, until every rank has ended. Each rank is a greenlet; a hand-over is
+        two greenlet switches (rank -> this loop -> next rank), no OS thread switch."""
+        import greenlet
+        main = self.main = greenlet.getcurrent()
+        while True:
+            if deadline is not None and self.failure is None and time.monotonic() > deadline:
+                self.failure = ("timeout", None, VirtualTimeout(
+                    f"virtual run past its timeout of {self.timeout_s} s "
+                    f"({self.describe_state()})"))
+            rank = self.pick()
+            if rank is None:
+                self.running = None
+                return
+            if rank.status == _NEW:
+                rank.glet = greenlet.greenlet(self._body, parent=main)
             rank.status, self.running = _RUNNING, rank
-            if not started:
-                rank.thread = threading.Thread(target=self._body, args=(rank,), daemon=True,
-                                               name=f"virtual-rank-{i}")
-                rank.thread.start()
-            rank.gate.release()
-            return
+            _local.rank = rank
+            try:
+                rank.glet.switch(rank)
+            finally:
+                _local.rank = None
 
     def _body(self, rank):
-        _local.rank = rank
-        rank.gate.acquire()
         rank.warnings = self.warnings
         _swap_warnings(rank)
         try:
@@ -404,24 +419,32 @@ class _World:
         except _Aborted as exc:
             if self.failure is None:
                 self.failure = ("abort", rank.index, exc)
+        except KeyboardInterrupt as exc:
+            if self.failure is None:
+                self.failure = ("interrupt", rank.index, exc)
         except BaseException as exc:  # noqa: B036 -- any failure ends every rank
             if self.failure is None:
                 self.failure = ("exception", rank.index, exc)
         finally:
+            _swap_warnings(rank)
             rank.status = _DONE
             rank.stats.clock = rank.clock
             self.done += 1
-            self.dispatch()
-            # park until the run is over: a thread exiting while the next rank runs holds the
-            # GIL against it (milliseconds per hand-over with thousands of threads)
-            rank.gate.acquire()
+            self.running = None
+        # returning hands control back to the scheduler loop (the greenlet's parent)
 
     def current(self, rank):
-        """Check that ``rank`` holds the baton and the run goes on."""
+        """Check that ``rank`` holds the baton and the run goes on (past the timeout: ends)."""
         if self.running is not rank:
             who = "no virtual rank" if self.running is None else f"rank {self.running.index}"
             raise RuntimeError(f"a communicator of virtual rank {rank.index} was used while "
                                f"{who} runs (communicators must not be shared between ranks)")
+        if self.failure is None and self.deadline is not None:
+            self.calls += 1
+            if self.calls % 64 == 0 and time.monotonic() > self.deadline:
+                self.failure = ("timeout", None, VirtualTimeout(
+                    f"virtual run past its timeout of {self.timeout_s} s "
+                    f"({self.describe_state()})"))
         if self.failure is not None:
             raise VirtualStop(self.stop_message())
 
@@ -431,8 +454,8 @@ class _World:
         rank.status, rank.waiting, req.waiter = _BLOCKED, req, rank
         self.blocked[rank.index] = rank
         _swap_warnings(rank)
-        self.dispatch()
-        rank.gate.acquire()
+        self.running = None
+        self.main.switch()
         _swap_warnings(rank)
         rank.waiting = None
         if self.failure is not None:
@@ -545,7 +568,7 @@ class _World:
                 f"virtual rank {req.owner.index}: message truncated: {payload.size} bytes "
                 f"received into a buffer of {req.view.size} bytes ({req.describe()})")
         else:
-            req.view[:payload.size] = payload
+            req.view[:payload.size] = 0 if isinstance(payload, _Sized) else payload
             req.owner.stats.recv_messages += 1
             req.owner.stats.recv_bytes += payload.size
         req.done, req.transfer = True, transfer
@@ -658,8 +681,8 @@ def _spec(spec, what):
             if isinstance(c, numbers.Integral):
                 count = int(c)
             elif isinstance(c, (list, tuple)) and len(c) == 2:
-                vector = ([int(x) for x in np.atleast_1d(c[0])],
-                          [int(x) for x in np.atleast_1d(c[1])])
+                vector = (np.array(c[0], dtype=np.int64).reshape(-1),
+                          np.array(c[1], dtype=np.int64).reshape(-1))
             else:
                 raise TypeError(f"{what}: bad count in buffer spec: {c!r}")
     else:
@@ -750,6 +773,31 @@ def _object_op(op):
 _dumps = pickle.dumps
 
 
+class _Sized:
+    """The stand-in of a typed buffer's contents when a run carries no payloads
+    (``run_virtual(payloads=False)``): its size only."""
+
+    __slots__ = ("size", "nbytes")
+
+    def __init__(self, arr):
+        self.size, self.nbytes = arr.size, arr.nbytes
+
+
+def _contents(world, arr):
+    """A copy of ``arr`` to send, or its :class:`_Sized` stand-in without payloads."""
+    return arr.copy() if world.payloads else _Sized(arr)
+_ATOMS = (type(None), bool, int, float, complex, str, bytes)
+
+
+def _immutable(obj, depth=0):
+    """Whether ``obj`` cannot be changed in place (atoms and tuples / frozensets of them)."""
+    if isinstance(obj, _ATOMS):
+        return True
+    if isinstance(obj, (tuple, frozenset)) and depth < 4:
+        return all(_immutable(v, depth + 1) for v in obj)
+    return False
+
+
 class VirtualComm:
     """One virtual rank's communicator: the mpi4py API subset listed in :mod:`the module
     <mgnn.comm.virtual>`. Made by :func:`run_virtual` (the world) and by ``Split``/``Dup``;
@@ -795,6 +843,11 @@ class VirtualComm:
         """This rank's virtual time, seconds."""
         return self._owner.clock
 
+    @property
+    def stats(self):
+        """This rank's :class:`RankStats` (live: the numbers so far)."""
+        return self._owner.stats
+
     def charge(self, seconds):
         """Advance this rank's virtual clock by ``seconds`` of compute (finite, >= 0)."""
         self._world.charge(self._owner, seconds)
@@ -821,7 +874,7 @@ class VirtualComm:
         view, _ = _elements(buf, "Isend")
         dest_world = self._peer(dest, "Isend")
         return VirtualRequest(self._world, self._world.isend(
-            self, view.copy(), dest_world, self._tag(tag, "Isend")))
+            self, _contents(self._world, view), dest_world, self._tag(tag, "Isend")))
 
     def Send(self, buf, dest, tag=0):
         """Send ``buf`` to ``dest`` (eager: returns at once)."""
@@ -871,21 +924,24 @@ class VirtualComm:
         n = arr.size if count is None else count
         flat = arr.reshape(-1)[:n]
         if _in_place(sendbuf):
-            mine = flat.copy()
+            mine = _contents(self._world, flat)
         else:
             sarr, _, scount, _ = _spec(sendbuf, label)
             _bytes(sarr, label)
             if sarr.dtype != arr.dtype or (sarr.size if scount is None else scount) != n:
                 raise ValueError(f"{label}: send buffer ({sarr.dtype}, {sarr.size}) and "
                                  f"receive buffer ({arr.dtype}, {n}) differ")
-            mine = sarr.reshape(-1)[:n].copy()
+            mine = _contents(self._world, sarr.reshape(-1)[:n])
 
         def finish(parts):
+            if isinstance(parts[0], _Sized):  # no payloads: the receive buffers stay as they are
+                return [None] * len(parts), parts[0].nbytes
             total = _mpich_order(parts, ufunc)
             return [total] * len(parts), total.nbytes
 
         def deliver(total):
-            flat[:] = total
+            if total is not None:
+                flat[:] = total
         return self._coll("allreduce", label, mine, finish, deliver=deliver)
 
     def Iallgatherv(self, sendbuf, recvbuf):
@@ -912,34 +968,51 @@ class VirtualComm:
                 raise ValueError(f"{label}: receive buffer of {out.size} bytes does not split "
                                  f"into {size} equal parts")
             part = out.size // (size * unit) if count is None else count
-            vector = ([part] * size, [i * part for i in range(size)])
+            vector = (np.full(size, part, dtype=np.int64),
+                      np.arange(size, dtype=np.int64) * part)
         counts, displs = vector
         if len(counts) != size or len(displs) != size:
             raise ValueError(f"{label}: {len(counts)} counts and {len(displs)} displacements "
                              f"for {size} ranks")
-        for c, d in zip(counts, displs):
-            if c < 0 or d < 0 or (c + d) * unit > out.size:
-                raise ValueError(f"{label}: count {c} at displacement {d} exceeds the receive "
-                                 f"buffer ({out.size} bytes)")
+        bad = np.flatnonzero((counts < 0) | (displs < 0) | ((counts + displs) * unit > out.size))
+        if bad.size:
+            c, d = int(counts[bad[0]]), int(displs[bad[0]])
+            raise ValueError(f"{label}: count {c} at displacement {d} exceeds the receive "
+                             f"buffer ({out.size} bytes)")
         me = self._rank
         if send.size != counts[me] * unit:
             raise ValueError(f"{label}: rank {me} sends {send.size} bytes, counts[{me}] = "
                              f"{counts[me]} elements of {unit} bytes")
+        # parts laid end to end from displacement 0 (the usual layout): one copy of the
+        # joined parts, made once for every rank
+        packed = bool(displs[0] == 0 and np.array_equal(displs[1:], np.cumsum(counts)[:-1]))
 
         def finish(parts):
-            return [parts] * len(parts), sum(p.size for p in parts)
+            nbytes = sum(p.size for p in parts)
+            if isinstance(parts[0], _Sized):  # no payloads: the receive buffers stay as they are
+                return [None] * len(parts), nbytes
+            joined = np.concatenate(parts) if packed else None
+            return [(parts, joined)] * len(parts), nbytes
 
-        def deliver(parts):
-            for p, d in zip(parts, displs):
+        def deliver(got):
+            if got is None:
+                return
+            parts, joined = got
+            if packed and joined is not None and joined.size == int(counts.sum()) * unit:
+                out[:joined.size] = joined
+                return
+            for p, d in zip(parts, displs.tolist()):
                 out[d * unit:d * unit + p.size] = p
-        return self._coll("allgather", f"{label}{tuple(counts)}", send.copy(), finish,
-                          deliver=deliver)
+        return self._coll("allgather", (f"{label}({tuple(counts.tolist())})" if size <= 8 else
+                           f"{label}({size} counts, {int(counts.sum())} elements, crc32 "
+                           f"{zlib.crc32(counts.tobytes()):08x})"),
+                          _contents(self._world, send), finish, deliver=deliver)
 
     def Bcast(self, buf, root=0):
         """Copy ``buf`` of rank ``root`` into ``buf`` of every rank."""
         root = self._root(root, "Bcast")
         view, _ = _elements(buf, "Bcast", writable=True)
-        mine = view.copy() if self._rank == root else None
+        mine = _contents(self._world, view) if self._rank == root else None
 
         def finish(parts):
             data = parts[root]
@@ -949,7 +1022,8 @@ class VirtualComm:
             if data.size != view.size:
                 raise ValueError(f"Bcast: rank {self._rank} has a buffer of {view.size} bytes, "
                                  f"root {root} sent {data.size}")
-            view[:] = data
+            if not isinstance(data, _Sized):
+                view[:] = data
         self._coll("bcast", "Bcast", mine, finish, root=root, deliver=deliver).Wait()
 
     def Ibarrier(self):
@@ -969,10 +1043,14 @@ class VirtualComm:
         return box[0]
 
     def allgather(self, sendobj):
-        """[object of rank 0, object of rank 1, ...] on every rank (copies)."""
-        out = self._objects("allgather", "allgather", sendobj,
-                            lambda ps: ([ps] * len(ps), sum(len(p) for p in ps)))
-        return [pickle.loads(p) for p in out]
+        """[object of rank 0, object of rank 1, ...] on every rank (copies; objects that cannot
+        be changed -- None, numbers, strings, tuples of them -- are shared)."""
+        def finish(ps):
+            loaded = [pickle.loads(p) for p in ps]
+            shared = loaded if all(_immutable(v) for v in loaded) else None
+            return [(ps, shared)] * len(ps), sum(len(p) for p in ps)
+        ps, shared = self._objects("allgather", "allgather", sendobj, finish)
+        return list(shared) if shared is not None else [pickle.loads(p) for p in ps]
 
     def gather(self, sendobj, root=0):
         """The list of every rank's object on ``root`` (copies), None elsewhere."""
@@ -1072,7 +1150,8 @@ def charge(seconds):
     comm.charge(seconds)
 
 
-def run_virtual(size, fn, *args, network=None, timeout_s=None, trace=False, **kwargs):
+def run_virtual(size, fn, *args, network=None, timeout_s=None, trace=False, payloads=True,
+                **kwargs):
     """Run ``fn(comm, *args, **kwargs)`` on ``size`` virtual ranks; see :mod:`the module
     <mgnn.comm.virtual>` for the scheduler, the cost model and the failure handling.
 
@@ -1092,6 +1171,13 @@ def run_virtual(size, fn, *args, network=None, timeout_s=None, trace=False, **kw
         communicates again).
     trace : bool
         Record each rank's compute / wait / message intervals in ``RankStats.events``.
+    payloads : bool
+        False: typed buffers (``Isend``/``Irecv``, ``Allreduce``, ``Allgather(v)``, ``Bcast``
+        and their nonblocking forms) carry their sizes only, for cost-only runs whose array
+        values mean nothing (:mod:`mgnn.costs`): a received message is zeros, a collective
+        leaves the receive buffers as they are, nothing is copied or added (a run of 4096
+        ranks each holding a whole coarse MGRIT level then fits in memory). Pickled objects are
+        always delivered. Sizes, matching, clocks and statistics are the same as with payloads.
 
     Returns
     -------
@@ -1116,28 +1202,25 @@ def run_virtual(size, fn, *args, network=None, timeout_s=None, trace=False, **kw
     if getattr(_local, "rank", None) is not None:
         raise RuntimeError("run_virtual cannot be called from inside a virtual rank")
     world = _World(int(size), network, bool(trace))
+    world.payloads = bool(payloads)
     world.warnings = _warning_state()  # every rank starts with the caller's
     world.fn, world.args, world.kwargs = fn, args, kwargs
     ctx = world.new_context("world")
     group = range(world.size)
     for r in world.ranks:
         r.comm = VirtualComm(world, ctx, group, r.index, r)
-    world.dispatch()
+    if timeout_s is not None:
+        world.timeout_s, world.deadline = timeout_s, time.monotonic() + timeout_s
     try:
-        _await(world, timeout_s)
+        world.schedule(world.deadline)
     finally:
         _set_warning_state(world.warnings)
-        if world.finished.is_set():  # every rank is parked: let the threads end
-            for r in world.ranks:
-                if r.thread is not None:
-                    r.gate.release()
-            for r in world.ranks:
-                if r.thread is not None:
-                    r.thread.join()
     if world.failure is not None:
         kind, rank, exc = world.failure
         if kind == "exception":
             exc.add_note(f"raised on virtual rank {rank} of {world.size} (mgnn.comm.virtual)")
+            raise exc
+        if kind == "interrupt":
             raise exc
         if kind == "abort":
             raise VirtualAbort(f"virtual rank {rank} called Abort({exc.errorcode})" + (
@@ -1147,28 +1230,6 @@ def run_virtual(size, fn, *args, network=None, timeout_s=None, trace=False, **kw
         raise exc
     return VirtualResults([r.result for r in world.ranks], [r.stats for r in world.ranks],
                           network)
-
-
-def _await(world, timeout_s):
-    """Wait in the main thread until every rank has ended (Ctrl-C and the timeout end the run
-    at the ranks' next communication call)."""
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    try:
-        while not world.finished.wait(0.05):
-            if deadline is None or time.monotonic() < deadline:
-                continue
-            if world.failure is None:
-                world.failure = ("timeout", None, VirtualTimeout(
-                    f"virtual run past its timeout of {timeout_s} s ({world.describe_state()})"))
-            if not world.finished.wait(10.0):  # a rank that never communicates again
-                raise VirtualTimeout(f"virtual run past its timeout of {timeout_s} s and not "
-                                     f"ending ({world.describe_state()})")
-            return
-    except KeyboardInterrupt:
-        if world.failure is None:
-            world.failure = ("interrupt", None, KeyboardInterrupt("interrupted"))
-        world.finished.wait(10.0)
-        raise
 
 
 def module_copy(name, **overrides):

@@ -8,8 +8,10 @@ the step out of i (push propagators) or the step into i (pull propagators, see
 :class:`mgnn.mgrit.MGRITSolver`).
 """
 import bisect
+import functools
 import math
 import numbers
+import operator
 from dataclasses import dataclass
 
 import numpy as np
@@ -316,13 +318,14 @@ class Partition:
         st, rk = tuple(self.starts), tuple(self.ranks)
         if len(st) != len(rk) or not st:
             raise ValueError(f"Partition needs one rank per block: starts {st}, ranks {rk}")
-        if st[0] != 0 or any(b <= a for a, b in zip(st, st[1:])) or st[-1] > self.n_steps:
+        if st[0] != 0 or not all(map(operator.lt, st, st[1:])) or st[-1] > self.n_steps:
             raise ValueError(f"Partition starts {st} must begin at 0, increase strictly and stay "
                              f"<= n_steps={self.n_steps}")
         if len(set(rk)) != len(rk):
             raise ValueError(f"Partition ranks {rk} hold more than one block each")
-        object.__setattr__(self, "starts", st)
-        object.__setattr__(self, "ranks", rk)
+        object.__setattr__(self, "starts", _interned(st))
+        object.__setattr__(self, "ranks", _interned(rk))
+        object.__setattr__(self, "_block", _block_index(self.ranks))  # rank -> block
 
     @classmethod
     def serial(cls, n_steps):
@@ -331,10 +334,15 @@ class Partition:
 
     def block_of_rank(self, rank):
         """Index of the block held by ``rank`` (ValueError if it holds none)."""
-        try:
-            return self.ranks.index(rank)
-        except ValueError:
-            raise ValueError(f"rank {rank} holds no block of this partition") from None
+        index, n = self._block, len(self.ranks)
+        if index is None or index == "reversed":  # ranks 0..n-1 in order, or reversed
+            ok = isinstance(rank, numbers.Integral) and 0 <= rank < n
+            q = (int(rank) if index is None else n - 1 - int(rank)) if ok else None
+        else:
+            q = index.get(rank)
+        if q is None:
+            raise ValueError(f"rank {rank} holds no block of this partition")
+        return q
 
     def fine_range(self, rank):
         """Fine indices [lo, hi) held by ``rank``."""
@@ -354,10 +362,64 @@ class Partition:
         b = min(-(-hi // spacing), n_level + 1)
         return a, max(a, b)
 
+    def level_counts(self, spacing, n_level):
+        """(counts, displacements) of the level points every rank holds, in rank order (as
+        :meth:`level_range`; the layout of an allgather of a whole level), as tuples of int.
+        Computed once per (partition, level) in a process."""
+        return _level_counts(self, int(spacing), int(n_level))
+
     def mirrored(self):
         """The partition of reversed indices m = N - i with every point kept on its rank (for the
         adjoint solve): block order is reversed."""
-        N = self.n_steps
-        ends = list(self.starts[1:]) + [N + 1]
-        starts = tuple(N - (e - 1) for e in reversed(ends))
-        return Partition(N, starts, tuple(reversed(self.ranks)))
+        return _mirrored(self)
+
+
+@functools.lru_cache(maxsize=64)
+def _level_counts(partition, spacing, n_level):
+    """:meth:`Partition.level_counts`, vectorised and shared by equal partitions (the ranks of
+    one process -- virtual ranks -- build equal ones)."""
+    st = np.array(partition.starts + (partition.n_steps + 1,), dtype=np.int64)
+    a = -(-st[:-1] // spacing)
+    b = np.minimum(-(-st[1:] // spacing), n_level + 1)
+    b = np.maximum(a, b)
+    order = {r: q for q, r in enumerate(partition.ranks)}
+    blocks = [order[r] for r in range(len(partition.ranks))] \
+        if set(partition.ranks) == set(range(len(partition.ranks))) else None
+    if blocks is None:
+        raise ValueError(f"level_counts needs the ranks 0..{len(partition.ranks) - 1}, got "
+                         f"{partition.ranks}")
+    return tuple(int(v) for v in (b - a)[blocks]), tuple(int(v) for v in a[blocks])
+
+
+_INTERNED = {}  # tuple -> the one equal tuple kept (virtual ranks build equal partitions)
+
+
+def _interned(t):
+    """One shared copy of each distinct tuple of starts / ranks (at most 256 kept)."""
+    got = _INTERNED.get(t)
+    if got is None:
+        if len(_INTERNED) >= 256:
+            _INTERNED.clear()
+        got = _INTERNED[t] = t
+    return got
+
+
+@functools.lru_cache(maxsize=256)
+def _block_index(ranks):
+    """rank -> block of a tuple of ranks: None for 0..n-1 in order, 'reversed' for n-1..0, else
+    a dict (shared by equal partitions)."""
+    n = len(ranks)
+    if ranks == tuple(range(n)):
+        return None
+    if ranks == tuple(range(n - 1, -1, -1)):
+        return "reversed"
+    return {r: q for q, r in enumerate(ranks)}
+
+
+@functools.lru_cache(maxsize=64)
+def _mirrored(partition):
+    """:meth:`Partition.mirrored` (shared by equal partitions)."""
+    N = partition.n_steps
+    ends = list(partition.starts[1:]) + [N + 1]
+    starts = tuple(N - (e - 1) for e in reversed(ends))
+    return Partition(N, starts, tuple(reversed(partition.ranks)))

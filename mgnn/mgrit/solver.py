@@ -457,8 +457,8 @@ class MGRITSolver:
         L, eng = self.levels[lev], self.engine
         counts = self._gather_counts.get(lev)
         if counts is None:
-            ranges = [self.partition.level_range(r, L.s, L.n) for r in range(self.halo.size)]
-            counts = self._gather_counts[lev] = ([b - a for a, b in ranges], [a for a, _ in ranges])
+            counts = self._gather_counts[lev] = tuple(
+                np.array(v, dtype=np.int64) for v in self.partition.level_counts(L.s, L.n))
         self.redundant_solves += 1
         FU, FG = eng.gather_level(lev, U, G, *counts, L.n)
         eng.replica_advance(replica, lev, FU, FG, L.n, self._plan(lev, "redundant", None))

@@ -1,0 +1,375 @@
+"""Cost tables and cost-only models: mgnn's training code on virtual ranks without arithmetic.
+
+A :class:`CostTable` holds, for every kernel method a training step calls (a step kind's
+forward / vjp / stacked / batched / sweep methods, the opening, the closing and the loss), the
+seconds of one call as ``a + b k`` (``k`` states per call), measured by :func:`record_step` on
+this machine: the real training step runs once with every such call timed. It also holds the
+Python overhead of each training method per kernel call (the step's wall time minus its
+kernels, over its calls) and the network's ``alpha`` / ``beta``.
+
+:func:`cost_model` turns a :class:`mgnn.network.Model` into a *cost-only* model: the same
+shapes, parameters and step kind, but every kernel method charges its table time to the running
+virtual rank (:func:`mgnn.comm.virtual.charge`) and returns zero placeholders of the right shape
+instead of computing. ``LayerParallel``, ``PipelineParallel`` and the MGRIT solver run unchanged
+on it: the messages, partitions, collectives and cycles are the real code's, so
+:func:`mgnn.comm.virtual.run_virtual` gives the predicted time per training step.
+"""
+import json
+import math
+import os
+import platform
+import tempfile
+import time
+
+import numpy as np
+
+from .comm.virtual import charge
+
+__all__ = ["CostTable", "Recorder", "cost_model", "recording_model", "STEP_METHODS"]
+
+# step-kind methods a training step calls: name -> (index of the state argument (or of the
+# stacked store / list of states), how the number of states k follows from the arguments)
+STEP_METHODS = {
+    "forward": (2, "one"), "forward_deriv": (2, "one"), "deriv": (2, "one"),
+    "vjp_state": (4, "one"), "vjp": (4, "one"), "vjp_params": (0, "one"),
+    "forward_batched": (2, "list"), "vjp_state_batched": (1, "list"),
+    "deriv_batched": (2, "list"), "vjp_params_batched": (0, "list"),
+    "chains_forward": (2, "chains4"), "chains_adjoint": (3, "chains5"),
+    "points_forward": (2, "slots5"), "points_adjoint": (3, "slots6"),
+    "deriv_stacked": (2, "count4"), "vjp_params_stacked": (0, "count6"),
+    "sweep_forward": (3, "layers0"), "sweep_backward": (2, "layers0"),
+}
+MODULE_METHODS = {"opening": ("forward", "vjp"), "closing": ("forward", "vjp"),
+                  "loss": ("forward_grad",)}
+
+
+def _call_shape(name, args):
+    """(op key, state shape, k) of one call of step method ``name`` with positional ``args``."""
+    pos, how = STEP_METHODS[name]
+    a = args[pos]
+    if how == "one":
+        return name, tuple(a.shape), 1
+    if how == "list":
+        return name, tuple(a[0].shape), len(a)
+    shape = tuple(a.shape[1:])
+    if how.startswith("chains"):
+        chains = np.asarray(args[int(how[-1])])
+        k = int(chains[:, 1].sum()) if chains.size else 0
+        return name, shape, k
+    if how.startswith("slots"):
+        mode = args[-2]  # (..., mode, bk)
+        return f"{name}:{int(mode)}", shape, len(args[int(how[-1])])
+    if how.startswith("count"):
+        return name, shape, int(args[int(how[-1])])
+    if name == "sweep_forward":  # W, b, U, h, D: stored sigma' or not
+        key = "sweep_forward" if args[4].shape[0] else "sweep_forward_nod"
+        return key, tuple(args[2].shape[1:]), int(args[0].shape[0])
+    return name, tuple(args[2].shape[1:]), int(args[0].shape[0])
+
+
+def _zero_rows(A, lo, hi):
+    if A is not None:
+        A[max(int(lo), 0):max(int(hi), 0)] = 0
+
+
+def _zero_outputs(name, args):
+    """Zeros into what an in-place step method writes (the states of a cost-only run stay
+    finite, so the solver's own arithmetic on them never overflows)."""
+    if name in ("chains_forward", "chains_adjoint"):
+        return  # they write into the solver's stores, allocated zero and kept finite by it
+    if name in ("points_forward", "points_adjoint"):
+        R, outs = args[4 if name == "points_forward" else 5], args[6 if name == "points_forward"
+                                                                   else 7]
+        if R is not None:
+            for o in outs:
+                R[int(o)] = 0
+    elif name == "deriv_stacked":
+        _zero_rows(args[6], 0, args[4])
+    elif name == "vjp_params_stacked":
+        for g in args[9:11]:
+            _zero_rows(g, args[7], args[7] + args[6])
+    elif name == "vjp_params_batched":
+        for g in args[5:7]:
+            g[list(args[4])] = 0
+    elif name == "sweep_forward":
+        _zero_rows(args[2], 1, args[2].shape[0])
+        _zero_rows(args[4], 0, args[4].shape[0])
+    elif name == "sweep_backward":
+        for g in args[6:8]:
+            _zero_rows(g, 0, g.shape[0])
+
+
+def _placeholder(name, kind, args):
+    """What the cost-only step method ``name`` returns: zeros of the real result's shapes."""
+    _zero_outputs(name, args)
+    pos, how = STEP_METHODS[name]
+    a = args[pos]
+    if name in ("forward", "deriv"):
+        return np.zeros_like(a)
+    if name == "forward_deriv":
+        return np.zeros_like(a), np.zeros_like(a)
+    if name == "vjp_state":
+        return np.zeros_like(a)
+    shapes = kind.param_shapes()
+    if name == "vjp":
+        return (np.zeros_like(a), np.zeros(shapes["weight"], a.dtype),
+                np.zeros(shapes["bias"], a.dtype))
+    if name == "vjp_params":
+        return np.zeros(shapes["weight"], a.dtype), np.zeros(shapes["bias"], a.dtype)
+    if name in ("forward_batched", "vjp_state_batched", "deriv_batched"):
+        return [np.zeros_like(v) for v in a]
+    if name.startswith("points"):
+        return 0.0
+    if name == "sweep_backward":
+        return np.zeros_like(args[5])
+    return None
+
+
+class Recorder:
+    """Collects (op, shape, dtype, k, seconds) samples of timed kernel calls."""
+
+    def __init__(self):
+        self.samples, self.enabled = [], True
+
+    def add(self, op, shape, dtype, k, seconds):
+        if self.enabled:
+            self.samples.append((op, tuple(shape), str(dtype), int(k), float(seconds)))
+
+    def total(self):
+        return sum(s[-1] for s in self.samples)
+
+
+def _timed_step(name, base):
+    def method(self, *args, **kwargs):
+        self._depth += 1  # a method calling another is timed once, as the outer one
+        t0 = time.perf_counter()
+        try:
+            out = base(self, *args, **kwargs)
+        finally:
+            self._depth -= 1
+        if self._depth == 0:
+            op, shape, k = _call_shape(name, args)
+            self._costs.add(op, shape, self._dtype, k, time.perf_counter() - t0)
+        return out
+    method.__name__ = name
+    return method
+
+
+def _charged_step(name):
+    def method(self, *args, **kwargs):
+        op, shape, k = _call_shape(name, args)
+        charge(self._costs.seconds(op, shape, self._dtype, k, self._method))
+        return _placeholder(name, self, args)
+    method.__name__ = name
+    return method
+
+
+def _wrap_kind(kind, costs, dtype, method, record):
+    """A copy of step kind ``kind`` (same class, via a subclass) whose kernel methods are timed
+    into ``costs`` (record) or charged from it without computing (cost-only)."""
+    cls = type(kind)
+    body = {}
+    for name in STEP_METHODS:
+        if hasattr(cls, name):
+            body[name] = _timed_step(name, getattr(cls, name)) if record else _charged_step(name)
+    new = object.__new__(type(("Recorded" if record else "CostOnly") + cls.__name__, (cls,),
+                              body))
+    new.__dict__.update(kind.__dict__)
+    new._costs, new._dtype, new._method, new._depth = costs, str(dtype), method, 0
+    return new
+
+
+class _Module:
+    """Opening / closing / loss wrapper: timed (record) or charged with memoised outputs."""
+
+    def __init__(self, inner, role, costs, dtype, method, record):
+        self._inner, self._role, self._costs = inner, role, costs
+        self._dtype, self._method, self._record = str(dtype), method, record
+        self._memo = {}
+        for name in MODULE_METHODS[role]:
+            setattr(self, name, self._make(name))
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def _make(self, name):
+        real = getattr(self._inner, name)
+        op = f"{self._role}.{name}"
+        arg = 1 if self._role in ("opening", "closing") else 0  # the batch-carrying argument
+
+        def method(*args):
+            shape = tuple(np.shape(args[arg]))
+            if self._record:
+                t0 = time.perf_counter()
+                out = real(*args)
+                self._costs.add(op, shape, self._dtype, 1, time.perf_counter() - t0)
+                return out
+            charge(self._costs.seconds(op, shape, self._dtype, 1, self._method))
+            key = (name, shape)
+            if key not in self._memo:  # real outputs once per shape (values never matter)
+                self._memo[key] = real(*args)
+            return self._memo[key]
+        return method
+
+
+def _wrapped(model, costs, method, record):
+    import copy
+    out = copy.copy(model)
+    out.step = _wrap_kind(model.step, costs, model.dtype, method, record)
+    for role in MODULE_METHODS:
+        setattr(out, role, _Module(getattr(model, role), role, costs, model.dtype, method,
+                                   record))
+    return out
+
+
+def recording_model(model, recorder):
+    """``model`` with every kernel call timed into ``recorder`` (shares the parameters)."""
+    return _wrapped(model, recorder, None, True)
+
+
+def cost_model(model, table, method="mgrit"):
+    """A cost-only copy of ``model`` (shares the parameters): its kernel calls charge
+    ``table``'s seconds (plus ``method``'s Python overhead per call) to the running virtual
+    rank and return zero placeholders. Fused step kinds only (dense, conv 2D/3D)."""
+    if not getattr(model.step, "fused", False):
+        raise ValueError("cost-only models need a fused step kind (dense or conv; not batch "
+                         "norm, dropout or recurrent cells)")
+    if not isinstance(table, CostTable):
+        raise TypeError(f"table must be a CostTable, got {type(table).__name__}")
+    return _wrapped(model, table, method, False)
+
+
+def _fit(points):
+    """(a, b) >= 0 with seconds ~ a + b k from [(k, seconds)]: least squares over the medians
+    of each k; one k only: a = 0."""
+    by_k = {}
+    for k, t in points:
+        by_k.setdefault(k, []).append(t)
+    ks = np.array(sorted(by_k), dtype=float)
+    ts = np.array([np.median(by_k[k]) for k in sorted(by_k)])
+    if len(ks) == 1 or np.ptp(ks) == 0:
+        return 0.0, float(ts[0] / max(ks[0], 1.0))
+    b, a = np.polyfit(ks, ts, 1)
+    if a < 0:
+        a, b = 0.0, float(np.sum(ks * ts) / np.sum(ks * ks))
+    if b < 0:
+        a, b = float(np.median(ts)), 0.0
+    return float(a), float(b)
+
+
+class CostTable:
+    """Seconds per kernel call, Python overhead per training method and the network.
+
+    Parameters
+    ----------
+    entries : dict
+        ``"op|shape|dtype"`` -> (a, b): a call with k states costs ``a + b k`` seconds.
+    overhead : dict
+        training method ('serial', 'layerwise', 'pipeline', 'mgrit') -> seconds of Python work
+        per kernel call outside the kernels.
+    alpha, beta : float
+        Message latency (s) and bandwidth (bytes/s).
+    meta : dict
+        Where and how it was measured.
+    """
+
+    def __init__(self, entries, overhead=None, alpha=1e-6, beta=1e10, meta=None):
+        self.entries = {k: (float(a), float(b)) for k, (a, b) in entries.items()}
+        self.overhead = dict(overhead or {})
+        self.alpha, self.beta, self.meta = float(alpha), float(beta), dict(meta or {})
+        self._index = {}
+        for key, ab in self.entries.items():
+            op, shape, dtype = key.split("|")
+            self._index.setdefault((op, dtype), []).append((json.loads(shape), ab))
+        self._cache = {}
+
+    @staticmethod
+    def key(op, shape, dtype):
+        return f"{op}|{json.dumps(list(shape))}|{dtype}"
+
+    @classmethod
+    def from_samples(cls, samples, **kw):
+        groups = {}
+        for op, shape, dtype, k, t in samples:
+            groups.setdefault(cls.key(op, shape, dtype), []).append((k, t))
+        return cls({key: _fit(pts) for key, pts in groups.items()}, **kw)
+
+    def seconds(self, op, shape, dtype, k, method=None):
+        """Seconds of one call of ``op`` with ``k`` states of ``shape``: the table's ``a + b k``
+        (for a shape not measured: the entry of the same op with the nearest number of elements,
+        b scaled by the ratio of elements), plus ``method``'s overhead."""
+        ck = (op, shape, dtype)
+        ab = self._cache.get(ck)
+        if ab is None:
+            cands = self._index.get((op, dtype))
+            if not cands and ":" in op:  # another mode of the same points kernel (one pass)
+                base = op.split(":")[0] + ":"
+                cands = [c for (o, d), cs in sorted(self._index.items())
+                         if d == dtype and o.startswith(base) for c in cs]
+            if not cands:
+                raise KeyError(f"the cost table has no entry for {op!r} in {dtype} (calibrate "
+                               f"it with the same --model and --dtype: python -m mgnn bench "
+                               f"calibrate)")
+            size = math.prod(shape)
+            exact = [ab for s, ab in cands if tuple(s) == tuple(shape)]
+            if exact:
+                ab = exact[0]
+            else:
+                s, (a, b) = min(cands, key=lambda c: (abs(math.log(max(math.prod(c[0]), 1)
+                                                                  / max(size, 1))), c[0]))
+                ab = (a, b * size / max(math.prod(s), 1))
+            self._cache[ck] = ab
+        a, b = ab
+        return a + b * k + (self.overhead.get(method, 0.0) if method else 0.0)
+
+    def to_dict(self):
+        return {"format": "mgnn-costs-1", "alpha": self.alpha, "beta": self.beta,
+                "overhead": self.overhead, "meta": self.meta,
+                "entries": {k: list(v) for k, v in sorted(self.entries.items())}}
+
+    @classmethod
+    def from_dict(cls, d):
+        if not isinstance(d, dict) or d.get("format") != "mgnn-costs-1":
+            raise ValueError("not an mgnn cost table (format 'mgnn-costs-1')")
+        return cls({k: tuple(v) for k, v in d["entries"].items()}, d.get("overhead"),
+                   d["alpha"], d["beta"], d.get("meta"))
+
+    def save(self, path):
+        """Write as JSON, atomically (a temporary file renamed into place)."""
+        path = os.fspath(path)
+        folder = os.path.dirname(os.path.abspath(path))
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".costs-", suffix=".json")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.to_dict(), f, indent=1)
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+
+    @classmethod
+    def load(cls, path):
+        with open(path) as f:
+            try:
+                d = json.load(f)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}: not JSON ({exc})") from None
+        try:
+            return cls.from_dict(d)
+        except (KeyError, ValueError, TypeError) as exc:
+            raise ValueError(f"{path}: {exc}") from None
+
+    def with_network(self, alpha, beta, name=None):
+        """The same kernel costs on another network."""
+        meta = dict(self.meta, network=name or "custom")
+        return CostTable(self.entries, self.overhead, alpha, beta, meta)
+
+
+def machine_meta():
+    """Where a table was measured."""
+    return {"host": platform.node(), "machine": platform.machine(),
+            "processor": platform.processor(), "cpus": os.cpu_count(),
+            "python": platform.python_version(), "numpy": np.__version__,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}

@@ -1,0 +1,654 @@
+"""Calibrated predictions of the time per training step on P ranks: ``bench calibrate`` and
+``bench predict``.
+
+The prediction runs mgnn's real training code (``LayerParallel``, ``PipelineParallel``, the
+MGRIT solver, their messages and collectives) on P virtual ranks
+(:func:`mgnn.comm.virtual.run_virtual`) with a cost-only model (:func:`mgnn.costs.cost_model`):
+every kernel call charges its calibrated time, every message ``alpha + bytes / beta``. Methods:
+
+* ``serial``: one process, layer after layer (``LayerParallel(model)``);
+* ``layerwise``: each rank its block of layers, the state handed from rank to rank
+  (``LayerParallel(model, comm)``);
+* ``pipeline``: GPipe with M micro-batches (``PipelineParallel(model, comm, M)``);
+* ``mgrit``: layer-parallel MGRIT (``LayerParallel(model, fwd, bwd, comm)``).
+
+``cores`` models running more ranks than cores on one machine (the validation runs here): with
+P > cores every compute charge is stretched by P / cores (busy-polling MPI ranks share the
+cores whether they compute or wait).
+"""
+import contextlib
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from .comm.virtual import Network, run_virtual
+from .costs import CostTable, Recorder, cost_model, machine_meta, recording_model
+
+#: Networks with published figures (docs/virtual_ranks.md cites the sources): alpha s, beta B/s
+NETWORKS = {
+    "shared": {"alpha": 0.4e-6, "beta": 10e9,
+               "what": "shared memory inside one node (MPICH/Open MPI intra-node, CPU buffers)"},
+    "ib-hdr": {"alpha": 1.0e-6, "beta": 24e9,
+               "what": "InfiniBand HDR 200 Gb/s between nodes (ConnectX-6)"},
+    "nvlink": {"alpha": 2.0e-6, "beta": 400e9,
+               "what": "NVLink 4 / NVSwitch between GPUs of one node (H100/H200 SXM, "
+                       "CUDA-aware MPI)"},
+}
+METHODS = ("serial", "layerwise", "pipeline", "mgrit")
+
+
+def default_config(**kw):
+    """The network and MGRIT configuration of a prediction (``bench predict``'s flags)."""
+    cfg = dict(model="dense", n_layers=256, width=64, in_features=None, channels=8,
+               image_size=28, batch=128, dtype="float32", levels=3, cf=4, fwd_iters=2,
+               bwd_iters=1, coarsest="redundant", micro=(4,))
+    unknown = set(kw) - set(cfg)
+    if unknown:
+        raise ValueError(f"unknown configuration keys {sorted(unknown)}")
+    cfg.update(kw)
+    return cfg
+
+
+def build_model(cfg, n_layers=None):
+    """(model, x, y) of ``cfg``: dense (inputs of ``in_features``, default the width) or conv
+    (1 input channel, ``image_size``^2 images), 10 classes, zero inputs."""
+    from .network import conv_resnet, dense_resnet
+    N = cfg["n_layers"] if n_layers is None else n_layers
+    B = cfg["batch"]
+    if cfg["model"] == "dense":
+        f = cfg["in_features"] or cfg["width"]
+        model = dense_resnet(f, cfg["width"], 10, N, dtype=cfg["dtype"], seed=0)
+        x = np.zeros((B, f), dtype=cfg["dtype"])
+    elif cfg["model"] == "conv":
+        s = cfg["image_size"]
+        model = conv_resnet(1, cfg["channels"], (s, s), 10, N, dtype=cfg["dtype"], seed=0)
+        x = np.zeros((B, 1, s, s), dtype=cfg["dtype"])
+    else:
+        raise ValueError(f"--model {cfg['model']!r}: predictions cover dense and conv ResNets")
+    return model, x, np.zeros(B, dtype=np.int64)
+
+
+def mgrit_options(cfg):
+    """(fwd, bwd) MGRITOptions of ``cfg`` (as ``bench scaling``: F then FCF, skip, tol 0)."""
+    from .mgrit import MGRITOptions
+    common = dict(cf=cfg["cf"], max_levels=cfg["levels"], nrelax=[0, 1], tol=0.0,
+                  skip_downcycle=True, warn_not_converged=False)
+    return (MGRITOptions(max_iter=cfg["fwd_iters"], **common),
+            MGRITOptions(max_iter=cfg["bwd_iters"], **common))
+
+
+def _trainer(method, model, comm, cfg, micro=1):
+    from .network import LayerParallel
+    from .pipeline import PipelineParallel
+    if method == "serial":
+        return LayerParallel(model, threads=None)
+    if method == "layerwise":
+        return LayerParallel(model, comm=comm, threads=None)
+    if method == "pipeline":
+        return PipelineParallel(model, comm=comm, micro_batches=micro)
+    fwd, bwd = mgrit_options(cfg)
+    return LayerParallel(model, fwd=fwd, bwd=bwd, comm=comm, threads=None,
+                         coarsest=cfg["coarsest"])
+
+
+def max_ranks(cfg, method):
+    """The most layer ranks ``method`` can use for ``cfg`` (every rank owns a layer, MGRIT's
+    blocks start at multiples of cf)."""
+    N = cfg["n_layers"]
+    if method == "serial":
+        return 1
+    return -(-N // cfg["cf"]) if method == "mgrit" else N
+
+
+# -- calibration -----------------------------------------------------------------------------
+
+def calibrate(cfg, repeats=5, layers=None, log=print):
+    """Kernel cost table of ``cfg`` on this machine (this process, its current thread counts).
+
+    Every method (serial, layer-wise on one rank, pipeline with each of ``cfg['micro']``, MGRIT)
+    runs one untimed training step and then ``repeats`` recorded ones; every kernel call's wall
+    time becomes a sample, and the step's time outside its kernels, per call, the method's
+    overhead. ``layers`` (default min(N, 64), at least what the MGRIT hierarchy needs): the
+    calibration network's depth (costs are per layer call).
+    """
+    from .mgrit import MGRITOptions
+    N = cfg["n_layers"]
+    if layers is None:
+        layers = min(N, max(64, 2 * cfg["cf"] ** max(cfg["levels"] - 1, 1)))
+    model, x, y = build_model(cfg, layers)
+    rec = Recorder()
+    rm = recording_model(model, rec)
+    overhead, calls = {}, {}
+    runs = [("serial", 1), ("layerwise", 1), ("mgrit", 1)] + [
+        ("pipeline", M) for M in cfg["micro"] if M <= cfg["batch"]]
+    for method, M in runs:
+        if method == "layerwise":  # one rank through the solver: the chain path of P > 1
+            opts = MGRITOptions(max_levels=1)
+            from .network import LayerParallel
+            obj = LayerParallel(rm, fwd=opts, bwd=opts, threads=None)
+        else:
+            obj = _trainer(method, rm, None, cfg, M)
+        rec.enabled = False
+        obj.loss_and_grad(x, y)
+        obj.loss_and_grad(x, y)
+        rec.enabled = True
+        walls, kern, ncall = [], [], []
+        for _ in range(repeats):
+            n0, s0 = len(rec.samples), rec.total()
+            t0 = time.perf_counter()
+            obj.loss_and_grad(x, y)
+            walls.append(time.perf_counter() - t0)
+            kern.append(rec.total() - s0)
+            ncall.append(len(rec.samples) - n0)
+        i = int(np.argsort(walls)[len(walls) // 2])
+        per_call = max(walls[i] - kern[i], 0.0) / max(ncall[i], 1)
+        key = method
+        overhead[key] = per_call if method != "pipeline" else \
+            max(overhead.get(key, 0.0), per_call)
+        calls[f"{method}-{M}" if method == "pipeline" else method] = ncall[i]
+        if log:
+            log(f"  {method:<9}{'' if method != 'pipeline' else f' M={M}':<6} step "
+                f"{walls[i] * 1e3:8.2f} ms, kernels {kern[i] * 1e3:8.2f} ms in {ncall[i]} calls, "
+                f"overhead {per_call * 1e6:6.2f} us/call")
+    for method in ("layerwise", "mgrit"):  # the calls only P > 1 makes (rank boundaries)
+        rec.enabled = True
+        run_virtual(2, _recorded_steps, method, rm, cfg, x, y, repeats + 1)
+    meta = dict(machine_meta(), config={k: (list(v) if isinstance(v, tuple) else v)
+                                        for k, v in cfg.items()},
+                calibration_layers=layers, repeats=repeats, calls=calls,
+                numba_threads=_numba_threads())
+    return CostTable.from_samples(rec.samples, overhead=overhead, meta=meta)
+
+
+def _recorded_steps(comm, method, model, cfg, x, y, steps):
+    obj = _trainer(method, model, comm, cfg)
+    for _ in range(steps):
+        obj.loss_and_grad(x, y)
+
+
+def _numba_threads():
+    try:
+        import numba
+        return int(numba.get_num_threads())
+    except Exception:  # noqa: BLE001 -- no numba: no threads to report
+        return None
+
+
+def pingpong(comm, sizes=(8, 1024, 8192, 65536, 524288), reps=200):
+    """(alpha s, beta B/s) of ranks 0 and 1 of ``comm``: half the round-trip time of
+    Send/Recv at each size, fitted to ``alpha + n / beta``. Collective; every rank returns it."""
+    rank = comm.Get_rank()
+    times = []
+    for n in sizes:
+        buf = np.zeros(max(n // 8, 1), dtype=np.float64)
+        best = math.inf
+        for _ in range(3):
+            comm.Barrier()
+            t0 = time.perf_counter()
+            if rank < 2:
+                for _ in range(reps if n < 65536 else max(reps // 10, 10)):
+                    if rank == 0:
+                        comm.Send(buf, dest=1, tag=11)
+                        comm.Recv(buf, source=1, tag=11)
+                    else:
+                        comm.Recv(buf, source=0, tag=11)
+                        comm.Send(buf, dest=0, tag=11)
+            r = reps if n < 65536 else max(reps // 10, 10)
+            best = min(best, (time.perf_counter() - t0) / (2 * r))
+        times.append(best)
+    nbytes = np.array([max(n // 8, 1) * 8 for n in sizes], dtype=float)
+    inv_beta, alpha = np.polyfit(nbytes, np.array(times), 1)
+    alpha = max(float(alpha), float(min(times)) * 0.5)
+    beta = 1.0 / inv_beta if inv_beta > 0 else 1e12
+    return comm.bcast((alpha, float(beta)), root=0)
+
+
+def measure_network(log=print, timeout=120):
+    """(alpha, beta, how) of the local MPI: ``mpiexec -n 2`` ping-pong in a subprocess, or the
+    'shared' preset (with the reason) when MPI is not available."""
+    import shutil
+    exe = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep +
+                       os.environ.get("PATH", ""))
+    if exe is None:
+        n = NETWORKS["shared"]
+        return n["alpha"], n["beta"], "preset 'shared' (no mpiexec found)"
+    cmd = [exe, "-n", "2", sys.executable, "-m", "mgnn.predict", "pingpong"]
+    env = dict(os.environ, NUMBA_NUM_THREADS="1")
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"{' '.join(cmd)} did not finish in {timeout} s") from None
+    if out.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({out.returncode}): {out.stderr[-2000:]}")
+    alpha, beta = json.loads(out.stdout.strip().splitlines()[-1])
+    return alpha, beta, f"ping-pong, {' '.join(cmd[:3])} (MPI Send/Recv, 8 B to 512 KiB)"
+
+
+# -- prediction ------------------------------------------------------------------------------
+
+def _rank_step(comm, method, model, cfg, x, y, micro):
+    obj = _trainer(method, model, None if method == "serial" else comm, cfg, micro)
+    st = comm.stats
+    comm.Barrier()
+    t0, c0, w0, m0 = comm.clock, st.compute_s, st.wait_s, st.message_s
+    with np.errstate(all="ignore"):  # placeholders hold no meaningful values
+        obj.loss_and_grad(x, y)
+    comm.Barrier()  # the step ends when the last rank is done (the others wait for it)
+    c1, w1, m1 = st.compute_s, st.wait_s, st.message_s
+    return {"time": comm.clock - t0, "compute": c1 - c0, "wait": w1 - w0, "message": m1 - m0,
+            "first": obj.layers.start if hasattr(obj, "layers") else None}
+
+
+def predict_point(cfg, table, method, P, micro=1, cores=None, trace=False, model=None,
+                  timeout_s=None, payloads=False):
+    """Predicted seconds of one training step of ``method`` on P ranks, with the per-rank
+    breakdown: dict(time, ranks=[{compute, wait, message}...], events (with ``trace``)).
+    ``payloads``: move the (meaningless) array values too (the same clocks; for tests)."""
+    if model is None:
+        model = build_model(cfg)
+    real, x, y = model
+    stretch = 1.0 if cores is None or P <= cores else P / cores
+    table = table if stretch == 1.0 else _Stretched(table, stretch)
+    cm = cost_model(real, table, method)
+    net = Network(alpha=table.alpha, beta=table.beta)
+    with _no_huge_pages():
+        out = run_virtual(P, _rank_step, method, cm, cfg, x, y, micro, network=net,
+                          trace=trace, timeout_s=timeout_s, payloads=payloads)
+    res = {"time": max(r["time"] for r in out), "ranks": [
+        {k: r[k] for k in ("compute", "wait", "message")} for r in out]}
+    if trace:
+        res["events"] = [s.events for s in out.stats]
+    return res
+
+
+@contextlib.contextmanager
+def _no_huge_pages():
+    """NumPy off its transparent-huge-page advice for large arrays while the block runs: a
+    cost-only run allocates every rank's stores zero-filled and touches only a few rows of each,
+    and with huge pages each touched row would commit 2 MiB (4096 virtual ranks: tens of GB)."""
+    try:
+        from numpy._core import multiarray
+    except ImportError:  # numpy < 2
+        from numpy.core import multiarray
+    setter = getattr(multiarray, "_set_madvise_hugepage", None)
+    before = setter(False) if setter is not None else None
+    try:
+        yield
+    finally:
+        if setter is not None:
+            setter(before)
+
+
+class _Stretched(CostTable):
+    """A table whose compute costs are ``factor`` times longer (oversubscribed cores)."""
+
+    def __init__(self, table, factor):
+        self.__dict__.update(table.__dict__)
+        self._base, self._factor = table, factor
+
+    def seconds(self, op, shape, dtype, k, method=None):
+        return self._factor * self._base.seconds(op, shape, dtype, k, method)
+
+
+def predict(cfg, table, ranks, methods=METHODS, cores=None, log=print):
+    """Rows (dict: method, micro_batches, ranks, time_s, speedup, compute/wait/message
+    fractions, imbalance) for every method and P of ``ranks`` that the method allows."""
+    model = build_model(cfg)
+    rows = []
+    t_serial = None
+    for method in methods:
+        micros = cfg["micro"] if method == "pipeline" else (0,)
+        for M in micros:
+            for P in ([1] if method == "serial" else ranks):
+                if P > max_ranks(cfg, method) or (method == "pipeline" and M > cfg["batch"]) \
+                        or (method == "layerwise" and P == 1):  # = serial
+                    continue
+                t0 = time.perf_counter()
+                r = predict_point(cfg, table, method, P, micro=max(M, 1), cores=cores,
+                                  model=model)
+                comp = [q["compute"] for q in r["ranks"]]
+                row = {"method": method, "micro_batches": M, "ranks": P, "time_s": r["time"],
+                       "compute_max_s": max(comp), "compute_mean_s": float(np.mean(comp)),
+                       "wait_mean_s": float(np.mean([q["wait"] for q in r["ranks"]])),
+                       "message_mean_s": float(np.mean([q["message"] for q in r["ranks"]])),
+                       "imbalance": max(comp) / max(np.mean(comp), 1e-300),
+                       "wall_s": time.perf_counter() - t0}
+                if method == "serial":
+                    t_serial = r["time"]
+                rows.append(row)
+                if log:
+                    log(f"  {method:<9}{f'M={M}' if M else '':<6}P={P:<6} "
+                        f"{r['time'] * 1e3:10.3f} ms   (virtual run {row['wall_s']:.1f} s)")
+    for row in rows:
+        row["speedup"] = t_serial / row["time_s"] if t_serial else None
+    return rows
+
+
+def crossovers(rows):
+    """{'serial', 'layerwise', 'pipeline'}: the least P at which MGRIT is faster than that
+    method at the same P (serial: than one process), or None."""
+    by = {}
+    for r in rows:
+        name = r["method"] if r["method"] != "pipeline" else "pipeline"
+        best = by.setdefault(name, {})
+        best[r["ranks"]] = min(best.get(r["ranks"], math.inf), r["time_s"])
+    mg = by.get("mgrit", {})
+    out = {}
+    t_serial = by.get("serial", {}).get(1)
+    for other in ("serial", "layerwise", "pipeline"):
+        ps = [P for P in sorted(mg) if (t_serial is not None and mg[P] < t_serial
+                                       if other == "serial" else
+                                       P in by.get(other, {}) and mg[P] < by[other][P])]
+        out[other] = ps[0] if ps else None
+    return out
+
+
+def format_rows(rows):
+    lines = [f"{'method':<10}{'M':>3}{'P':>7}{'time/step':>13}{'speedup':>9}{'compute':>9}"
+             f"{'wait':>8}{'msgs':>8}{'imbal':>7}",
+             "-" * 74]
+    for r in rows:
+        t = r["time_s"]
+        lines.append(f"{r['method']:<10}{r['micro_batches'] or '':>3}{r['ranks']:>7}"
+                     f"{_fmt_time(t):>13}{r['speedup']:>9.2f}"
+                     f"{100 * r['compute_max_s'] / t:>8.0f}%{100 * r['wait_mean_s'] / t:>7.0f}%"
+                     f"{100 * r['message_mean_s'] / t:>7.0f}%{r['imbalance']:>7.2f}")
+    return "\n".join(lines)
+
+
+def _fmt_time(t):
+    return f"{t * 1e3:.3f} ms" if t < 1 else f"{t:.3f} s"
+
+
+def plot_prediction(rows, path, title):
+    """Time per step and speedup against P, one line per method (PNG)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    series = {}
+    for r in rows:
+        name = r["method"] + (f" M={r['micro_batches']}" if r["micro_batches"] else "")
+        series.setdefault(name, []).append((r["ranks"], r["time_s"], r["speedup"]))
+    for name, pts in series.items():
+        pts.sort()
+        P = [p[0] for p in pts]
+        style = dict(marker="o", ms=3)
+        if len(P) == 1:
+            axes[0].axhline(pts[0][1], ls="--", color="grey", label=name)
+            continue
+        axes[0].plot(P, [p[1] for p in pts], label=name, **style)
+        axes[1].plot(P, [p[2] for p in pts], label=name, **style)
+    axes[0].set(xscale="log", yscale="log", xlabel="ranks P", ylabel="s per training step",
+                title="predicted time per step")
+    axes[1].set(xscale="log", yscale="log", xlabel="ranks P", ylabel="speedup over serial",
+                title="predicted speedup")
+    axes[1].axhline(1.0, color="grey", lw=0.8)
+    for ax in axes:
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    _save(fig, path)
+
+
+def plot_gantt(events, path, title):
+    """Each rank's compute / wait / message intervals over the virtual time (PNG)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    colors = {"compute": "tab:blue", "wait": "tab:red", "message": "tab:orange"}
+    fig, ax = plt.subplots(figsize=(11, 0.5 + 0.35 * len(events)))
+    t0 = min((e[1] for ev in events for e in ev), default=0.0)
+    for r, ev in enumerate(events):
+        for kind in colors:
+            spans = [((e[1] - t0) * 1e3, (e[2] - e[1]) * 1e3) for e in ev
+                     if e[0] == kind and e[2] > e[1]]
+            ax.broken_barh(spans, (r - 0.4, 0.8), facecolors=colors[kind], label=kind
+                           if r == 0 else None)
+    ax.set(xlabel="virtual time (ms)", ylabel="rank", yticks=range(len(events)), title=title)
+    ax.invert_yaxis()
+    ax.legend(loc="upper right", fontsize=8, ncol=3)
+    fig.tight_layout()
+    _save(fig, path)
+
+
+def _save(fig, path):
+    import matplotlib.pyplot as plt
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp.png")
+    try:
+        fig.savefig(tmp, dpi=110)
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+DEFAULT_RANKS = "1,2,4,8,16,32,64,128,256,512,1024,2048,4096"
+
+
+def _ints(flag, text):
+    try:
+        vals = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{flag} must be a comma list of ints, got {text!r}") from None
+    if not vals or any(v < 1 for v in vals):
+        raise ValueError(f"{flag} entries must be >= 1, got {text!r}")
+    return vals
+
+
+def config_from_args(args):
+    """:func:`default_config` from ``bench calibrate/predict``'s flags (ValueError naming the
+    flag)."""
+    if args.model not in ("dense", "conv"):
+        raise ValueError(f"--model {args.model}: bench {args.suite} covers dense and conv")
+    return default_config(model=args.model, n_layers=args.n_layers, width=args.width,
+                          in_features=args.in_features, channels=args.channels or 8,
+                          batch=args.batch, dtype=args.dtype, levels=args.levels, cf=args.cf,
+                          fwd_iters=args.fwd_iters, bwd_iters=args.bwd_iters,
+                          coarsest=args.coarsest,
+                          micro=tuple(_ints("--micro", args.micro or "4,16")))
+
+
+def _costs_path(args, cfg):
+    return args.costs or os.path.join("results", f"costs-{cfg['model']}-{cfg['dtype']}.json")
+
+
+def _calibrate_cmd(args, cfg, log):
+    from .comm.threads import configure_threads
+    path = _costs_path(args, cfg)
+    configure_threads(None, args.threads)
+    log(f"calibrating {cfg['model']} ({_describe(cfg)}) with {args.threads} Numba thread(s), "
+        f"{args.repeats} recorded steps per method")
+    table = calibrate(cfg, repeats=args.repeats, log=log)
+    alpha, beta, how = measure_network(log)
+    table.alpha, table.beta = alpha, beta
+    table.meta.update(network="calibrated", network_how=how, threads=args.threads)
+    table.save(path)
+    log(f"MPI: alpha {alpha * 1e6:.2f} us, beta {beta / 1e9:.2f} GB/s ({how})")
+    log(f"wrote {path} ({len(table.entries)} kernel entries)")
+    return table
+
+
+def _describe(cfg):
+    size = (f"w={cfg['width']}" if cfg["model"] == "dense" else
+            f"C={cfg['channels']}, {cfg['image_size']}x{cfg['image_size']}")
+    return (f"N={cfg['n_layers']}, {size}, B={cfg['batch']}, {cfg['dtype']}; MGRIT "
+            f"{cfg['levels']} levels, cf {cfg['cf']}, {cfg['fwd_iters']} fwd + "
+            f"{cfg['bwd_iters']} adj cycles, coarsest {cfg['coarsest']}")
+
+
+def _load_table(args, cfg, log):
+    path = _costs_path(args, cfg)
+    if not os.path.exists(path):
+        if args.costs:
+            raise ValueError(f"--costs {path}: no such file (python -m mgnn bench calibrate "
+                             f"--costs {path} ... writes it)")
+        log(f"{path} does not exist: calibrating first")
+        return _calibrate_cmd(args, cfg, log), path
+    table = CostTable.load(path)
+    have = table.meta.get("config", {})
+    for key in ("model", "dtype"):
+        if have.get(key) not in (None, cfg[key]):
+            raise ValueError(f"--costs {path} was calibrated for --{key} {have.get(key)}, "
+                             f"not {cfg[key]} (calibrate again)")
+    return table, path
+
+
+def coarsest_seconds(cfg, table):
+    """Modelled seconds of the coarsest MGRIT level per training step (the redundant solve
+    every rank repeats, or the sequential chain): its steps times the per-step chain cost."""
+    from .mgrit import level_sizes
+    n_c = level_sizes(cfg["n_layers"], cfg["cf"], cfg["levels"], 2)[-1]
+    model, x, _ = build_model(cfg, n_layers=max(cfg["cf"], 1))
+    shape = model.step.state_shape(x.shape[0])
+    t = 0.0
+    for op, cycles in (("chains_forward", cfg["fwd_iters"]), ("chains_adjoint", cfg["bwd_iters"])):
+        try:
+            t += cycles * (table.seconds(op, shape, cfg["dtype"], n_c) -
+                           table.seconds(op, shape, cfg["dtype"], 0))
+        except KeyError:
+            pass
+    return t
+
+
+def limits(rows, cfg, table):
+    """One line per MGRIT row: what bounds it (coarsest level, messages, waiting, imbalance)."""
+    t_c = coarsest_seconds(cfg, table)
+    out = []
+    for r in rows:
+        if r["method"] != "mgrit":
+            continue
+        t = r["time_s"]
+        parts = {"coarsest level": t_c / t, "waiting": r["wait_mean_s"] / t,
+                 "messages": r["message_mean_s"] / t,
+                 "imbalance": (r["compute_max_s"] - r["compute_mean_s"]) / t}
+        top = max(parts, key=parts.get)
+        out.append({"ranks": r["ranks"], **{k.replace(" ", "_"): v for k, v in parts.items()},
+                    "limit": top})
+    return out
+
+
+def _write_text(path, text):
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _csv(rows):
+    import csv
+    import io
+    keys = []
+    for r in rows:
+        keys += [k for k in r if k not in keys]
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=keys)
+    w.writeheader()
+    w.writerows(rows)
+    return buf.getvalue()
+
+
+def main(args, log=print):
+    """``bench calibrate`` / ``bench predict``; returns the rows (predict) or [table dict].
+    ``log``: a print-like callable (None: quiet)."""
+    log = log or (lambda *a, **k: None)
+    cfg = config_from_args(args)
+    if (args.spatial_levels or "").strip():
+        raise ValueError("--spatial-levels: predictions do not model spatial coarsening yet "
+                         "(its grid transfers are not in the cost table)")
+    if args.suite == "calibrate":
+        return [_calibrate_cmd(args, cfg, log).to_dict()]
+    ranks = sorted(set(_ints("--ranks", args.ranks or DEFAULT_RANKS)))
+    table, path = _load_table(args, cfg, log)
+    if args.network != "calibrated":
+        n = NETWORKS[args.network]
+        table = table.with_network(n["alpha"], n["beta"], args.network)
+    out = args.out or "results/predict"
+    log(f"predicting {cfg['model']} ({_describe(cfg)}) on {args.network} network "
+        f"(alpha {table.alpha * 1e6:.2f} us, beta {table.beta / 1e9:.1f} GB/s), costs {path}"
+        + (f", {args.cores} cores shared" if args.cores else ""))
+    t0 = time.perf_counter()
+    rows = predict(cfg, table, ranks, cores=args.cores, log=log)
+    for r in rows:
+        r["study"] = "strong"
+    cross = crossovers(rows)
+    weak = []
+    if args.weak:
+        per = cfg["n_layers"] / ranks[0]
+        for P in ranks:
+            wcfg = dict(cfg, n_layers=int(round(per * P)))
+            wr = predict(wcfg, table, [P], methods=("serial", "layerwise", "pipeline", "mgrit"),
+                         cores=args.cores, log=log)
+            for r in wr:
+                r.update(study="weak", n_layers=wcfg["n_layers"])
+            weak += [r for r in wr if r["method"] != "serial" or P == ranks[0]]
+    lim = limits(rows, cfg, table)
+    text = format_rows(rows)
+    log(text)
+    for other, P in cross.items():
+        log(f"MGRIT overtakes {other}: " + (f"from P = {P}" if P else "not in --ranks"))
+    for L in lim[-3:]:
+        log(f"  mgrit P={L['ranks']}: limited by {L['limit']} (coarsest level "
+            f"{100 * L['coarsest_level']:.0f}%, waiting {100 * L['waiting']:.0f}%, messages "
+            f"{100 * L['messages']:.0f}%, imbalance {100 * L['imbalance']:.0f}%)")
+    gantt_p = [P for P in ranks if 1 < P <= 8 and P <= max_ranks(cfg, "mgrit")]
+    files = []
+    title = f"{cfg['model']} {_describe(cfg)}; {args.network} network"
+    try:
+        plot_prediction(rows, os.path.join(out, "predict.png"), title)
+        files.append(os.path.join(out, "predict.png"))
+        if weak:
+            plot_prediction(weak, os.path.join(out, "predict_weak.png"), "weak scaling: " + title)
+            files.append(os.path.join(out, "predict_weak.png"))
+        if gantt_p:
+            P = gantt_p[-1]
+            for method in ("mgrit", "pipeline"):
+                r = predict_point(cfg, table, method, P, micro=cfg["micro"][0],
+                                  cores=args.cores, trace=True)
+                f = os.path.join(out, f"gantt_{method}_P{P}.png")
+                plot_gantt(r["events"], f, f"{method} on {P} ranks: {title}")
+                files.append(f)
+    except ImportError:
+        log("matplotlib is not installed: no PNG")
+    doc = {"config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.items()},
+           "network": {"name": args.network, "alpha": table.alpha, "beta": table.beta},
+           "cores": args.cores, "costs": path, "costs_meta": table.meta,
+           "rows": [{k: v for k, v in r.items() if k != "wall_s"} for r in rows + weak],
+           "crossovers": cross, "limits": lim}
+    _write_text(os.path.join(out, "predict.json"), json.dumps(doc, indent=1))
+    _write_text(os.path.join(out, "predict.csv"), _csv(doc["rows"]))
+    log(f"wrote {', '.join([os.path.join(out, 'predict.json'), os.path.join(out, 'predict.csv')] + files)}"
+        f" in {time.perf_counter() - t0:.1f} s")
+    return rows + weak
+
+
+def _pingpong_main():
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() < 2:
+        raise SystemExit("pingpong needs mpiexec -n 2")
+    alpha, beta = pingpong(comm)
+    if comm.Get_rank() == 0:
+        print(json.dumps([alpha, beta]), flush=True)
+
+
+if __name__ == "__main__":  # python -m mgnn.predict pingpong (under mpiexec -n 2)
+    if sys.argv[1:] == ["pingpong"]:
+        _pingpong_main()
+    else:
+        raise SystemExit("usage: mpiexec -n 2 python -m mgnn.predict pingpong")

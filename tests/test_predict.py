@@ -1,0 +1,227 @@
+"""Cost tables, cost-only models and predictions on virtual ranks (mgnn.costs, mgnn.predict,
+``bench calibrate`` / ``bench predict``)."""
+import json
+import os
+import types
+
+import numpy as np
+import pytest
+
+from mgnn import dense_resnet
+from mgnn.comm.virtual import Network, run_virtual
+from mgnn.costs import STEP_METHODS, CostTable, Recorder, cost_model, recording_model
+from mgnn.mgrit.partition import Partition, balanced_starts
+from mgnn.predict import (build_model, calibrate, crossovers, default_config, main,
+                          predict, predict_point)
+
+GUARD = pytest.mark.timeout(300)
+TINY = dict(n_layers=32, width=8, batch=8, levels=3, cf=2, fwd_iters=2, bwd_iters=1,
+            micro=(2,))
+
+
+@pytest.fixture(scope="module")
+def tiny_table():
+    cfg = default_config(**TINY)
+    return cfg, calibrate(cfg, repeats=1, layers=16, log=None)
+
+
+def _unit_table(cfg, seconds=1e-3):
+    """A table in which every kernel call the recorder saw costs ``seconds`` (no overhead)."""
+    rec = Recorder()
+    model, x, y = build_model(cfg)
+    rm = recording_model(model, rec)
+    from mgnn.predict import _trainer
+    for method in ("serial", "mgrit"):
+        _trainer(method, rm, None, cfg).loss_and_grad(x, y)
+    keys = {CostTable.key(op, shape, dtype) for op, shape, dtype, _, _ in rec.samples}
+    return CostTable({k: (seconds, 0.0) for k in keys}, alpha=0.0, beta=1e30), rec
+
+
+@GUARD
+def test_a_serial_prediction_is_its_kernel_calls_times_their_cost():
+    cfg = default_config(**TINY)
+    table, _ = _unit_table(cfg)
+    # count the calls of one real serial step
+    rec = Recorder()
+    model, x, y = build_model(cfg)
+    from mgnn.predict import _trainer
+    _trainer("serial", recording_model(model, rec), None, cfg).loss_and_grad(x, y)
+    got = predict_point(cfg, table, "serial", 1)
+    assert got["time"] == pytest.approx(1e-3 * len(rec.samples), rel=1e-12)
+    assert got["ranks"][0]["compute"] == pytest.approx(got["time"], rel=1e-12)
+    assert got["ranks"][0]["wait"] == 0.0
+
+
+@GUARD
+def test_cost_only_runs_are_deterministic_and_payloads_do_not_change_the_clock(tiny_table):
+    cfg, table = tiny_table
+    for method, P in (("mgrit", 4), ("layerwise", 3), ("pipeline", 2)):
+        a = predict_point(cfg, table, method, P, micro=2)
+        b = predict_point(cfg, table, method, P, micro=2)
+        c = predict_point(cfg, table, method, P, micro=2, payloads=True)
+        assert a == b == c, method
+        assert a["time"] > 0
+        for r in a["ranks"]:  # clock = compute + wait + message on every rank
+            assert r["compute"] + r["wait"] + r["message"] == pytest.approx(a["time"], rel=1e-9,
+                                                                            abs=1e-12)
+
+
+@GUARD
+def test_messages_and_the_network_enter_the_prediction(tiny_table):
+    cfg, table = tiny_table
+    fast = predict_point(cfg, table.with_network(0.0, 1e30), "layerwise", 4)["time"]
+    slow = predict_point(cfg, table.with_network(1e-3, 1e30), "layerwise", 4)["time"]
+    # layer-wise: 3 forward and 3 backward boundary messages lie on the critical path, plus
+    # the latency terms of the step's collectives (log2 P alpha each): whole multiples of alpha
+    extra = (slow - fast) / 1e-3
+    assert extra >= 6 and extra == pytest.approx(round(extra), abs=1e-6)
+
+
+@GUARD
+def test_the_table_round_trips_and_interpolates_unmeasured_shapes(tiny_table, tmp_path):
+    cfg, table = tiny_table
+    path = tmp_path / "c.json"
+    table.save(path)
+    back = CostTable.load(path)
+    assert back.entries == table.entries and back.overhead == table.overhead
+    assert (back.alpha, back.beta) == (table.alpha, table.beta)
+    assert not [f for f in os.listdir(tmp_path) if f.startswith(".costs-")]  # atomic
+    key = next(k for k in table.entries if k.startswith("chains_forward|"))
+    op, shape, dtype = key.split("|")
+    shape = tuple(json.loads(shape))
+    a, b = table.entries[key]
+    assert table.seconds(op, shape, dtype, 3) == pytest.approx(a + 3 * b)
+    double = (2 * shape[0],) + shape[1:]  # twice the elements: b scales, a stays
+    assert table.seconds(op, double, dtype, 3) == pytest.approx(a + 3 * 2 * b)
+    with pytest.raises(KeyError, match="calibrate"):
+        table.seconds(op, shape, "float16", 1)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{\"format\": \"other\"}")
+    with pytest.raises(ValueError, match="not an mgnn cost table"):
+        CostTable.load(bad)
+
+
+def test_cost_models_refuse_what_they_cannot_charge():
+    from mgnn import conv_resnet
+    model = conv_resnet(1, 2, (6, 6), 3, 4, batch_norm=True, seed=0)
+    with pytest.raises(ValueError, match="fused step kind"):
+        cost_model(model, CostTable({}))
+    with pytest.raises(TypeError, match="CostTable"):
+        cost_model(dense_resnet(4, 4, 2, 4, seed=0), {"not": "a table"})
+
+
+@GUARD
+def test_4096_virtual_ranks_run_a_cost_only_mgrit_step():
+    cfg = default_config(n_layers=16384, width=2, batch=1, levels=3, cf=4)
+    table = calibrate(dict(cfg, n_layers=64), repeats=1, log=None)
+    r = predict_point(cfg, table, "mgrit", 4096)
+    assert len(r["ranks"]) == 4096
+    # every rank owns 4 layers: the forward cycles step them, so every rank computed
+    assert min(q["compute"] for q in r["ranks"]) > 0
+
+
+@GUARD
+def test_predict_rows_and_crossovers(tiny_table):
+    cfg, table = tiny_table
+    rows = predict(cfg, table, [1, 2, 4], log=None)
+    methods = {(r["method"], r["ranks"]) for r in rows}
+    assert ("serial", 1) in methods and ("mgrit", 4) in methods and ("pipeline", 4) in methods
+    assert ("layerwise", 1) not in methods  # the same as serial
+    serial = next(r for r in rows if r["method"] == "serial")
+    assert serial["speedup"] == 1.0
+    fake = [dict(method="serial", ranks=1, time_s=1.0), dict(method="mgrit", ranks=2, time_s=2.0),
+            dict(method="mgrit", ranks=4, time_s=0.5), dict(method="layerwise", ranks=2,
+                                                              time_s=3.0),
+            dict(method="layerwise", ranks=4, time_s=0.4)]
+    assert crossovers(fake) == {"serial": 4, "layerwise": 2, "pipeline": None}
+
+
+def _args(**kw):
+    base = dict(suite="predict", model="dense", n_layers=32, width=8, batch=8, levels=3, cf=2,
+                fwd_iters=2, bwd_iters=1, micro="2", ranks="1,2,4", out=None, costs=None,
+                dtype="float32", in_features=None, network="calibrated", cores=None,
+                coarsest="redundant", weak=False, threads=1, channels=None, repeats=1,
+                spatial_levels=None)
+    base.update(kw)
+    return types.SimpleNamespace(**base)
+
+
+@GUARD
+def test_bench_predict_writes_its_outputs(tiny_table, tmp_path):
+    cfg, table = tiny_table
+    costs = tmp_path / "costs.json"
+    table.save(costs)
+    out = tmp_path / "out"
+    lines = []
+    rows = main(_args(costs=str(costs), out=str(out), network="ib-hdr", weak=True),
+                log=lines.append)
+    doc = json.loads((out / "predict.json").read_text())
+    assert doc["network"]["name"] == "ib-hdr" and doc["network"]["beta"] == 24e9
+    assert {r["study"] for r in doc["rows"]} == {"strong", "weak"}
+    assert len(doc["rows"]) == len(rows)
+    for name in ("predict.csv", "predict.png", "predict_weak.png", "gantt_mgrit_P4.png",
+                 "gantt_pipeline_P4.png"):
+        assert (out / name).stat().st_size > 0, name
+    assert any(line.startswith("MGRIT overtakes layerwise") for line in lines)
+    assert set(doc["crossovers"]) == {"serial", "layerwise", "pipeline"}
+
+
+def test_bench_predict_bad_input_names_the_flag(tiny_table, tmp_path):
+    cfg, table = tiny_table
+    with pytest.raises(ValueError, match="--model gru"):
+        main(_args(model="gru"), log=None)
+    with pytest.raises(ValueError, match="no such file"):
+        main(_args(costs=str(tmp_path / "missing.json")), log=None)
+    with pytest.raises(ValueError, match="--ranks"):
+        main(_args(ranks="1,x"), log=None)
+    costs = tmp_path / "c.json"
+    table.save(costs)
+    with pytest.raises(ValueError, match="calibrated for --dtype float32"):
+        main(_args(costs=str(costs), dtype="float64"), log=None)
+
+
+def test_level_counts_match_level_range_on_plain_and_mirrored_partitions():
+    starts = balanced_starts(100, 7, 4)
+    for part in (Partition(100, tuple(starts), tuple(range(7))),
+                 Partition(100, tuple(starts), tuple(range(7))).mirrored()):
+        for s, n in ((1, 100), (4, 25), (16, 6)):
+            counts, displs = part.level_counts(s, n)
+            ranges = [part.level_range(r, s, n) for r in range(7)]
+            assert list(counts) == [b - a for a, b in ranges]
+            assert list(displs) == [a for a, _ in ranges]
+        with pytest.raises(ValueError, match="holds no block"):
+            part.block_of_rank(7)
+
+
+def test_runs_without_payloads_carry_sizes_and_the_same_clocks():
+    from mpi4py import MPI
+
+    def program(comm):
+        r = comm.Get_rank()
+        send = np.full(1000, r + 1.0)
+        recv = np.full(1000, 7.0)
+        if r == 0:
+            comm.Isend([send, MPI.DOUBLE], 1, tag=3).Wait()
+        elif r == 1:
+            comm.Irecv([recv, MPI.DOUBLE], 0, tag=3).Wait()
+        red = np.full(4, float(r))
+        comm.Allreduce(MPI.IN_PLACE, red)
+        gat = np.full(2 * comm.Get_size(), -1.0)
+        comm.Allgather(np.full(2, float(r)), gat)
+        objs = comm.allgather(("rank", r))
+        return recv[:3].tolist(), red.tolist(), gat.tolist(), objs, comm.clock
+    net = Network(alpha=1e-6, beta=1e9)
+    real = run_virtual(3, program, network=net)
+    sized = run_virtual(3, program, network=net, payloads=False)
+    assert real[1][0] == [1.0, 1.0, 1.0] and sized[1][0] == [0.0, 0.0, 0.0]  # zeros arrive
+    assert real[0][1] == [3.0] * 4 and sized[2][1] == [2.0] * 4  # reductions left as they are
+    assert sized[0][2] == [-1.0] * 6
+    assert sized[2][3] == real[2][3] == [("rank", 0), ("rank", 1), ("rank", 2)]  # objects arrive
+    assert [r[4] for r in real] == [r[4] for r in sized]  # the same clocks
+    assert [s.as_dict() for s in real.stats] == [s.as_dict() for s in sized.stats]
+
+
+def test_step_methods_table_names_real_methods():
+    from mgnn.blocks import ConvStep, DenseStep
+    for name in STEP_METHODS:
+        assert hasattr(DenseStep, name) or hasattr(ConvStep, name), name
