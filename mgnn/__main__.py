@@ -169,6 +169,9 @@ def _bench_parser(sub):
                    help="predict: MGRIT's coarsest level (default redundant)")
     g.add_argument("--weak", action="store_true",
                    help="predict: also weak scaling (N = --layers x P / first P)")
+    g.add_argument("--validate", action="store_true",
+                   help="predict: also measure the same steps under mpiexec -n P for P <= 8 of "
+                        "--ranks and print predicted vs measured (cores = this machine's)")
     g.add_argument("--threads", type=int, default=1,
                    help="calibrate: Numba threads per rank while measuring (default 1)")
     g = p.add_argument_group("spatial-step (also --layers, --batch-size, --levels, --cf, "

@@ -13,8 +13,8 @@ every kernel call charges its calibrated time, every message ``alpha + bytes / b
 * ``mgrit``: layer-parallel MGRIT (``LayerParallel(model, fwd, bwd, comm)``).
 
 ``cores`` models running more ranks than cores on one machine (the validation runs here): with
-P > cores every compute charge is stretched by P / cores (busy-polling MPI ranks share the
-cores whether they compute or wait).
+P > cores every compute charge is stretched by ``1 + (P / cores - 1) u``, ``u`` the ranks' mean
+compute fraction in the run without sharing (a mean-field picture: P u ranks compute at once).
 """
 import contextlib
 import json
@@ -113,13 +113,14 @@ def calibrate(cfg, repeats=5, layers=None, log=print):
     Every method (serial, layer-wise on one rank, pipeline with each of ``cfg['micro']``, MGRIT)
     runs one untimed training step and then ``repeats`` recorded ones; every kernel call's wall
     time becomes a sample, and the step's time outside its kernels, per call, the method's
-    overhead. ``layers`` (default min(N, 64), at least what the MGRIT hierarchy needs): the
-    calibration network's depth (costs are per layer call).
+    overhead. ``layers`` (default min(N, 256), at least what the MGRIT hierarchy needs): the
+    calibration network's depth (costs are per kernel call; the Python overhead per call grows
+    a little with the depth, so calibrating near the predicted N is best).
     """
     from .mgrit import MGRITOptions
     N = cfg["n_layers"]
     if layers is None:
-        layers = min(N, max(64, 2 * cfg["cf"] ** max(cfg["levels"] - 1, 1)))
+        layers = min(N, max(256, 2 * cfg["cf"] ** max(cfg["levels"] - 1, 1)))
     model, x, y = build_model(cfg, layers)
     rec = Recorder()
     rm = recording_model(model, rec)
@@ -127,24 +128,10 @@ def calibrate(cfg, repeats=5, layers=None, log=print):
     runs = [("serial", 1), ("layerwise", 1), ("mgrit", 1)] + [
         ("pipeline", M) for M in cfg["micro"] if M <= cfg["batch"]]
     for method, M in runs:
-        if method == "layerwise":  # one rank through the solver: the chain path of P > 1
-            opts = MGRITOptions(max_levels=1)
-            from .network import LayerParallel
-            obj = LayerParallel(rm, fwd=opts, bwd=opts, threads=None)
-        else:
-            obj = _trainer(method, rm, None, cfg, M)
-        rec.enabled = False
-        obj.loss_and_grad(x, y)
-        obj.loss_and_grad(x, y)
-        rec.enabled = True
-        walls, kern, ncall = [], [], []
-        for _ in range(repeats):
-            n0, s0 = len(rec.samples), rec.total()
-            t0 = time.perf_counter()
-            obj.loss_and_grad(x, y)
-            walls.append(time.perf_counter() - t0)
-            kern.append(rec.total() - s0)
-            ncall.append(len(rec.samples) - n0)
+        # on one virtual rank with a communicator (serial: none), the code path of the
+        # predictions and of the measured mpiexec runs
+        walls, kern, ncall = run_virtual(1, _timed_steps, method, rm, cfg, x, y, M, rec,
+                                         repeats)[0]
         i = int(np.argsort(walls)[len(walls) // 2])
         per_call = max(walls[i] - kern[i], 0.0) / max(ncall[i], 1)
         key = method
@@ -163,6 +150,31 @@ def calibrate(cfg, repeats=5, layers=None, log=print):
                 calibration_layers=layers, repeats=repeats, calls=calls,
                 numba_threads=_numba_threads())
     return CostTable.from_samples(rec.samples, overhead=overhead, meta=meta)
+
+
+def _timed_steps(comm, method, model, cfg, x, y, M, rec, repeats):
+    """(wall seconds, kernel seconds, kernel calls) of ``repeats`` recorded training steps of
+    ``method`` after two unrecorded ones."""
+    if method == "layerwise":  # one rank through the solver: the chain path of P > 1
+        from .mgrit import MGRITOptions
+        from .network import LayerParallel
+        opts = MGRITOptions(max_levels=1)
+        obj = LayerParallel(model, fwd=opts, bwd=opts, comm=comm, threads=None)
+    else:
+        obj = _trainer(method, model, None if method == "serial" else comm, cfg, M)
+    rec.enabled = False
+    obj.loss_and_grad(x, y)
+    obj.loss_and_grad(x, y)
+    rec.enabled = True
+    walls, kern, ncall = [], [], []
+    for _ in range(repeats):
+        n0, s0 = len(rec.samples), rec.total()
+        t0 = time.perf_counter()
+        obj.loss_and_grad(x, y)
+        walls.append(time.perf_counter() - t0)
+        kern.append(rec.total() - s0)
+        ncall.append(len(rec.samples) - n0)
+    return walls, kern, ncall
 
 
 def _recorded_steps(comm, method, model, cfg, x, y, steps):
@@ -252,7 +264,14 @@ def predict_point(cfg, table, method, P, micro=1, cores=None, trace=False, model
     if model is None:
         model = build_model(cfg)
     real, x, y = model
-    stretch = 1.0 if cores is None or P <= cores else P / cores
+    stretch = 1.0
+    if cores is not None and P > cores:
+        # P ranks on fewer cores: ranks share the cores while they compute. Mean field: the
+        # unshared run's mean compute fraction u says how many ranks compute at once (P u);
+        # every compute interval is stretched by 1 + (P / cores - 1) u
+        free = predict_point(cfg, table, method, P, micro, None, False, model, timeout_s)
+        u = float(np.mean([r["compute"] for r in free["ranks"]])) / max(free["time"], 1e-300)
+        stretch = 1.0 + (P / cores - 1.0) * min(max(u, 0.0), 1.0)
     table = table if stretch == 1.0 else _Stretched(table, stretch)
     cm = cost_model(real, table, method)
     net = Network(alpha=table.alpha, beta=table.beta)
@@ -582,6 +601,17 @@ def main(args, log=print):
     log(f"predicting {cfg['model']} ({_describe(cfg)}) on {args.network} network "
         f"(alpha {table.alpha * 1e6:.2f} us, beta {table.beta / 1e9:.1f} GB/s), costs {path}"
         + (f", {args.cores} cores shared" if args.cores else ""))
+    if getattr(args, "validate", False):
+        vr = validate(cfg, table, [P for P in ranks if P <= 8], repeats=args.repeats, log=log)
+        log(format_validation(vr))
+        worst = max(abs(r["error"]) for r in vr)
+        log(f"largest prediction error: {100 * worst:.1f}%")
+        _write_text(os.path.join(out, "validate.json"), json.dumps(
+            {"config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.items()},
+             "costs": path, "rows": vr}, indent=1))
+        _write_text(os.path.join(out, "validate.csv"), _csv(vr))
+        log(f"wrote {os.path.join(out, 'validate.json')}, {os.path.join(out, 'validate.csv')}")
+        return vr
     t0 = time.perf_counter()
     rows = predict(cfg, table, ranks, cores=args.cores, log=log)
     for r in rows:
@@ -637,6 +667,93 @@ def main(args, log=print):
     return rows + weak
 
 
+# -- validation: the same training steps measured under mpiexec -------------------------------
+
+def measure_steps(comm, cfg, repeats=5):
+    """Measured seconds per training step (median of ``repeats`` after 2 warm-ups, ranks
+    synchronised by a barrier around each step) of every method :func:`predict` models, with
+    the same objects (:func:`_trainer`), on the ranks of ``comm`` (P = its size; serial on
+    P = 1 only). Collective; returns {label: seconds} on every rank."""
+    P = comm.Get_size()
+    model, x, y = build_model(cfg)
+    runs = [("serial", 1)] if P == 1 else [("layerwise", 1)]
+    runs += [("pipeline", M) for M in cfg["micro"] if M <= cfg["batch"]] + [("mgrit", 1)]
+    out = {}
+    for method, M in runs:
+        obj = _trainer(method, model, None if method == "serial" else comm, cfg, M)
+        times = []
+        for k in range(2 + repeats):
+            comm.Barrier()
+            t0 = time.perf_counter()
+            obj.loss_and_grad(x, y)
+            comm.Barrier()
+            if k >= 2:
+                times.append(time.perf_counter() - t0)
+        out[f"{method}-{M}" if method == "pipeline" else method] = float(np.median(times))
+    return out
+
+
+def _measure_main(cfg_json, repeats):
+    from mpi4py import MPI
+    cfg = json.loads(cfg_json)
+    cfg["micro"] = tuple(cfg["micro"])
+    got = measure_steps(MPI.COMM_WORLD, cfg, int(repeats))
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        print(json.dumps(got), flush=True)
+
+
+def validate(cfg, table, ranks=(1, 2, 4), repeats=5, log=print, timeout=900):
+    """Predicted vs measured seconds per step at each P of ``ranks``: ``mpiexec -n P python -m
+    mgnn.predict measure`` (NUMBA_NUM_THREADS=1, as the calibration's one thread per rank), and
+    the prediction with ``cores`` = this machine's CPUs (P > cores: oversubscribed). Rows of
+    (method, micro_batches, ranks, measured_s, predicted_s, error = predicted / measured - 1)."""
+    import shutil
+    exe = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep +
+                       os.environ.get("PATH", ""))
+    if exe is None:
+        raise ValueError("bench predict --validate needs mpiexec (pip install 'mgnn[mpi]')")
+    cores = os.cpu_count() or 1
+    env = dict(os.environ, NUMBA_NUM_THREADS="1", OMP_NUM_THREADS="1",
+               OPENBLAS_NUM_THREADS="1")
+    doc = json.dumps({k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.items()})
+    model = build_model(cfg)
+    rows = []
+    for P in ranks:
+        cmd = [exe, "-n", str(P), sys.executable, "-m", "mgnn.predict", "measure", doc,
+               str(repeats)]
+        if log:
+            log(f"  measuring P={P}: mpiexec -n {P} python -m mgnn.predict measure ..."
+                + (f" ({P} ranks on {cores} cores: oversubscribed)" if P > cores else ""))
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"mpiexec -n {P} measure did not finish in {timeout} s") from None
+        if proc.returncode != 0:
+            raise RuntimeError(f"mpiexec -n {P} measure failed ({proc.returncode}): "
+                               f"{proc.stderr[-2000:]}")
+        measured = json.loads(proc.stdout.strip().splitlines()[-1])
+        for label, t in measured.items():
+            method, _, M = label.partition("-")
+            M = int(M) if M else 0
+            pred = predict_point(cfg, table, method, P, micro=max(M, 1), cores=cores,
+                                 model=model)["time"]
+            rows.append({"method": method, "micro_batches": M, "ranks": P, "measured_s": t,
+                         "predicted_s": pred, "error": pred / t - 1.0,
+                         "oversubscribed": P > cores})
+    return rows
+
+
+def format_validation(rows):
+    lines = [f"{'method':<10}{'M':>3}{'P':>4}{'measured':>12}{'predicted':>12}{'error':>8}",
+             "-" * 49]
+    for r in rows:
+        lines.append(f"{r['method']:<10}{r['micro_batches'] or '':>3}{r['ranks']:>4}"
+                     f"{_fmt_time(r['measured_s']):>12}{_fmt_time(r['predicted_s']):>12}"
+                     f"{100 * r['error']:>+7.1f}%" + ("  oversubscribed" if r["oversubscribed"]
+                                                      else ""))
+    return "\n".join(lines)
+
+
 def _pingpong_main():
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
@@ -647,8 +764,11 @@ def _pingpong_main():
         print(json.dumps([alpha, beta]), flush=True)
 
 
-if __name__ == "__main__":  # python -m mgnn.predict pingpong (under mpiexec -n 2)
+if __name__ == "__main__":  # helpers run under mpiexec by calibrate and --validate
     if sys.argv[1:] == ["pingpong"]:
         _pingpong_main()
+    elif len(sys.argv) == 4 and sys.argv[1] == "measure":
+        _measure_main(sys.argv[2], sys.argv[3])
     else:
-        raise SystemExit("usage: mpiexec -n 2 python -m mgnn.predict pingpong")
+        raise SystemExit("usage: mpiexec -n 2 python -m mgnn.predict pingpong | "
+                         "mpiexec -n P python -m mgnn.predict measure CONFIG_JSON REPEATS")

@@ -1,10 +1,10 @@
 """Virtual MPI ranks: mgnn's real distributed code on P ranks inside one process, on a virtual
 clock.
 
-:func:`run_virtual` runs ``fn(comm, *args, **kwargs)`` on ``size`` virtual ranks, each in its own
-Python thread, where ``comm`` is a :class:`VirtualComm`: the part of the mpi4py communicator API
-that mgnn uses, with MPI's matching rules. The threads never run at the same time: a
-deterministic discrete-event scheduler hands one baton around. A rank runs until it blocks (a
+:func:`run_virtual` runs ``fn(comm, *args, **kwargs)`` on ``size`` virtual ranks, each a
+greenlet (a coroutine with its own stack) in the calling thread, where ``comm`` is a
+:class:`VirtualComm`: the part of the mpi4py communicator API that mgnn uses, with MPI's
+matching rules. The ranks never run at the same time: a deterministic discrete-event scheduler hands one baton around. A rank runs until it blocks (a
 ``Wait``, ``Recv`` or collective whose data is not there yet, or a ``Test`` that fails) or
 returns; then the ready rank with the lowest virtual clock runs next (ties: the lowest rank).
 The same run twice gives the same results, clocks and statistics, whatever the machine's load.
@@ -79,15 +79,15 @@ communicators alone: no process-wide hook, no ``MPI_Abort``; the scheduler ends 
 
 Process-wide state: each rank has its own warning filters and handlers
 (``warnings.catch_warnings`` on one rank does not catch another's warnings); everything else
-of the process is shared as threads share it -- module globals (:func:`module_copy` gives each
+of the process is shared as coroutines share it -- module globals (:func:`module_copy` gives each
 rank its own copy of a module written against a global ``COMM``), ``sys.argv``, ``os.environ``,
 NumPy's legacy global random state, the BLAS thread count.
 
 Limits: host (NumPy) buffers only (device states must be staged, ``cuda_aware=False``); a
 blocking and a nonblocking collective do not match each other (as in MPI); a rank computing
 without communicating cannot be interrupted (Ctrl-C and ``timeout_s`` act at its next
-communication call); one Python thread per rank, and each hand-over of the baton is an OS
-thread switch (tens of microseconds; more on a loaded machine); a ``Test`` that fails advances
+communication call); each hand-over of the baton is two greenlet switches (about a
+microsecond), so the wall time of a run is the ranks' Python work; a ``Test`` that fails advances
 the clock to the request's completion (a poll loop costs no virtual time); sends are eager (no
 rendezvous, the sender is never delayed) and links have no contention.
 """
@@ -1161,7 +1161,7 @@ def run_virtual(size, fn, *args, network=None, timeout_s=None, trace=False, payl
         Virtual ranks (>= 1).
     fn : callable
         ``fn(comm, *args, **kwargs)``, ``comm`` a :class:`VirtualComm` over all ranks. Runs in
-        one thread per rank; module globals are shared between ranks (use :func:`module_copy`
+        one greenlet per rank; module globals are shared between ranks (use :func:`module_copy`
         for programs written against a module-level communicator).
     network : Network or None
         Message costs (default ``Network()``).
