@@ -17,6 +17,7 @@ P > cores every compute charge is stretched by ``1 + (P / cores - 1) u``, ``u`` 
 compute fraction in the run without sharing (a mean-field picture: P u ranks compute at once).
 """
 import contextlib
+import gc
 import json
 import math
 import os
@@ -26,6 +27,7 @@ import time
 
 import numpy as np
 
+from .comm.halo import ping_pong
 from .comm.virtual import Network, run_virtual
 from .costs import CostTable, Recorder, cost_model, machine_meta, recording_model
 
@@ -117,7 +119,6 @@ def calibrate(cfg, repeats=5, layers=None, log=print):
     calibration network's depth (costs are per kernel call; the Python overhead per call grows
     a little with the depth, so calibrating near the predicted N is best).
     """
-    from .mgrit import MGRITOptions
     N = cfg["n_layers"]
     if layers is None:
         layers = min(N, max(256, 2 * cfg["cf"] ** max(cfg["levels"] - 1, 1)))
@@ -191,7 +192,7 @@ def _numba_threads():
         return None
 
 
-def pingpong(comm, sizes=(8, 1024, 8192, 65536, 524288), reps=200):
+def alpha_beta(comm, sizes=(8, 1024, 8192, 65536, 524288), reps=200):
     """(alpha s, beta B/s) of ranks 0 and 1 of ``comm``: half the round-trip time of
     Send/Recv at each size, fitted to ``alpha + n / beta``. Collective; every rank returns it."""
     rank = comm.Get_rank()
@@ -201,17 +202,8 @@ def pingpong(comm, sizes=(8, 1024, 8192, 65536, 524288), reps=200):
         best = math.inf
         for _ in range(3):
             comm.Barrier()
-            t0 = time.perf_counter()
-            if rank < 2:
-                for _ in range(reps if n < 65536 else max(reps // 10, 10)):
-                    if rank == 0:
-                        comm.Send(buf, dest=1, tag=11)
-                        comm.Recv(buf, source=1, tag=11)
-                    else:
-                        comm.Recv(buf, source=0, tag=11)
-                        comm.Send(buf, dest=0, tag=11)
-            r = reps if n < 65536 else max(reps // 10, 10)
-            best = min(best, (time.perf_counter() - t0) / (2 * r))
+            one_way = ping_pong(comm, buf, buf, reps if n < 65536 else max(reps // 10, 10), 11)
+            best = min(best, one_way) if rank < 2 else 0.0
         times.append(best)
     nbytes = np.array([max(n // 8, 1) * 8 for n in sizes], dtype=float)
     inv_beta, alpha = np.polyfit(nbytes, np.array(times), 1)
@@ -275,7 +267,7 @@ def predict_point(cfg, table, method, P, micro=1, cores=None, trace=False, model
     table = table if stretch == 1.0 else _Stretched(table, stretch)
     cm = cost_model(real, table, method)
     net = Network(alpha=table.alpha, beta=table.beta)
-    with _no_huge_pages():
+    with _lean_memory():
         out = run_virtual(P, _rank_step, method, cm, cfg, x, y, micro, network=net,
                           trace=trace, timeout_s=timeout_s, payloads=payloads)
     res = {"time": max(r["time"] for r in out), "ranks": [
@@ -283,6 +275,31 @@ def predict_point(cfg, table, method, P, micro=1, cores=None, trace=False, model
     if trace:
         res["events"] = [s.events for s in out.stats]
     return res
+
+
+def _libc():
+    """glibc through ctypes, or None (another C library or platform)."""
+    import ctypes
+    import ctypes.util
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+@contextlib.contextmanager
+def _lean_memory():
+    """NumPy off huge pages while the block runs, then the ranks' cycles collected and the heap
+    trimmed (glibc keeps freed memory otherwise: GBs after a run of thousands of ranks)."""
+    try:
+        with _no_huge_pages():
+            yield
+    finally:
+        gc.collect()
+        libc = _libc()
+        if libc is not None:
+            libc.malloc_trim(0)
 
 
 @contextlib.contextmanager
@@ -301,6 +318,45 @@ def _no_huge_pages():
     finally:
         if setter is not None:
             setter(before)
+
+
+def _in_child(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` in a forked child process (Linux, macOS), its result sent back
+    pickled: the memory of thousands of virtual ranks goes back to the system with the child,
+    whatever the allocators keep (a P = 4096 run holds ~10 GB at its peak). In this process
+    where fork is not available."""
+    import multiprocessing
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return fn(*args, **kwargs)
+    ctx = multiprocessing.get_context("fork")
+    recv, send = ctx.Pipe(duplex=False)
+
+    def child():
+        try:
+            out = ("ok", fn(*args, **kwargs))
+        except BaseException as exc:  # noqa: B036 -- re-raised in the parent
+            out = ("error", exc)
+        try:
+            send.send(out)
+        except Exception as exc:  # noqa: BLE001 -- an unpicklable error: its text
+            send.send(("error", RuntimeError(f"{type(out[1]).__name__}: {out[1]} ({exc})")))
+        send.close()
+
+    proc = ctx.Process(target=child, daemon=True)
+    proc.start()
+    send.close()
+    try:
+        kind, value = recv.recv()
+    except EOFError:
+        proc.join()
+        raise RuntimeError(f"the prediction's child process ended with exit code "
+                           f"{proc.exitcode} (out of memory?) and sent no result") from None
+    finally:
+        recv.close()
+    proc.join()
+    if kind == "error":
+        raise value
+    return value
 
 
 class _Stretched(CostTable):
@@ -328,8 +384,9 @@ def predict(cfg, table, ranks, methods=METHODS, cores=None, log=print):
                         or (method == "layerwise" and P == 1):  # = serial
                     continue
                 t0 = time.perf_counter()
-                r = predict_point(cfg, table, method, P, micro=max(M, 1), cores=cores,
-                                  model=model)
+                r = (_in_child if P >= 256 else _call)(
+                    predict_point, cfg, table, method, P, micro=max(M, 1), cores=cores,
+                    model=model)
                 comp = [q["compute"] for q in r["ranks"]]
                 row = {"method": method, "micro_batches": M, "ranks": P, "time_s": r["time"],
                        "compute_max_s": max(comp), "compute_mean_s": float(np.mean(comp)),
@@ -346,6 +403,10 @@ def predict(cfg, table, ranks, methods=METHODS, cores=None, log=print):
     for row in rows:
         row["speedup"] = t_serial / row["time_s"] if t_serial else None
     return rows
+
+
+def _call(fn, *args, **kwargs):
+    return fn(*args, **kwargs)
 
 
 def crossovers(rows):
@@ -422,7 +483,7 @@ def plot_gantt(events, path, title):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     colors = {"compute": "tab:blue", "wait": "tab:red", "message": "tab:orange"}
-    fig, ax = plt.subplots(figsize=(11, 0.5 + 0.35 * len(events)))
+    fig, ax = plt.subplots(figsize=(11, 1.2 + 0.35 * len(events)))
     t0 = min((e[1] for ev in events for e in ev), default=0.0)
     for r, ev in enumerate(events):
         for kind in colors:
@@ -430,7 +491,8 @@ def plot_gantt(events, path, title):
                      if e[0] == kind and e[2] > e[1]]
             ax.broken_barh(spans, (r - 0.4, 0.8), facecolors=colors[kind], label=kind
                            if r == 0 else None)
-    ax.set(xlabel="virtual time (ms)", ylabel="rank", yticks=range(len(events)), title=title)
+    ax.set(xlabel="virtual time (ms)", ylabel="rank", yticks=range(len(events)))
+    ax.set_title(title, fontsize=8)
     ax.invert_yaxis()
     ax.legend(loc="upper right", fontsize=8, ncol=3)
     fig.tight_layout()
@@ -651,7 +713,7 @@ def main(args, log=print):
                 r = predict_point(cfg, table, method, P, micro=cfg["micro"][0],
                                   cores=args.cores, trace=True)
                 f = os.path.join(out, f"gantt_{method}_P{P}.png")
-                plot_gantt(r["events"], f, f"{method} on {P} ranks: {title}")
+                plot_gantt(r["events"], f, f"{method} on {P} ranks\n{title}")
                 files.append(f)
     except ImportError:
         log("matplotlib is not installed: no PNG")
@@ -759,7 +821,7 @@ def _pingpong_main():
     comm = MPI.COMM_WORLD
     if comm.Get_size() < 2:
         raise SystemExit("pingpong needs mpiexec -n 2")
-    alpha, beta = pingpong(comm)
+    alpha, beta = alpha_beta(comm)
     if comm.Get_rank() == 0:
         print(json.dumps([alpha, beta]), flush=True)
 

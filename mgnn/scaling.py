@@ -19,6 +19,7 @@ from .backend import get_backend
 from .bench import median_time
 from .mgrit import MGRITOptions, level_sizes, solve_critical_path
 from .blocks.composed import StepContext
+from .comm.halo import ping_pong
 from .network import (AdjointPropagator, ForwardPropagator, LayerParallel, dense_resnet,
                       gru_classifier)
 from .pipeline import PipelineParallel
@@ -108,21 +109,11 @@ def _calibrate(model, x, comm):
                + median_time(lambda: ap.step(u, 0, 1, 0), repeats=5))
     if comm is None or comm.Get_size() == 1:
         return t, 0.0
-    P, rank = comm.Get_size(), comm.Get_rank()
+    P = comm.Get_size()
     t = comm.allreduce(t) / P
     buf = np.empty_like(u)
     comm.Barrier()
-    t_msg = 0.0
-    if rank < 2:
-        t0 = time.perf_counter()
-        for _ in range(50):
-            if rank == 0:
-                comm.Send(u, dest=1, tag=99)
-                comm.Recv(buf, source=1, tag=99)
-            else:
-                comm.Recv(buf, source=0, tag=99)
-                comm.Send(u, dest=0, tag=99)
-        t_msg = (time.perf_counter() - t0) / 100
+    t_msg = ping_pong(comm, u, buf, 50, tag=99)
     return t, comm.bcast(t_msg, root=0)
 
 

@@ -225,3 +225,10 @@ def test_step_methods_table_names_real_methods():
     from mgnn.blocks import ConvStep, DenseStep
     for name in STEP_METHODS:
         assert hasattr(DenseStep, name) or hasattr(ConvStep, name), name
+
+
+def test_points_in_a_child_process_return_and_raise_as_in_this_one():
+    from mgnn.predict import _in_child
+    assert _in_child(lambda a, b=1: (a, b), 3, b=4) == (3, 4)
+    with pytest.raises(ZeroDivisionError):
+        _in_child(lambda: 1 / 0)

@@ -153,3 +153,21 @@ def make_halo(comm, reduce_comm=None):
     if comm is None or comm.Get_size() == 1:
         return SerialHalo(reduce_comm)
     return Halo(comm, reduce_comm)
+
+
+def ping_pong(comm, send, recv, reps, tag=99):
+    """Seconds of one message one way (round trip / 2) between ranks 0 and 1 of ``comm``:
+    ``reps`` Send/Recv round trips of ``send`` (into ``recv``), timed on ranks 0 and 1; other
+    ranks return 0.0 at once (no barrier here)."""
+    rank = comm.Get_rank()
+    if rank >= 2:
+        return 0.0
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        if rank == 0:
+            comm.Send(send, dest=1, tag=tag)
+            comm.Recv(recv, source=1, tag=tag)
+        else:
+            comm.Recv(recv, source=0, tag=tag)
+            comm.Send(send, dest=0, tag=tag)
+    return (time.perf_counter() - t0) / (2 * reps)
