@@ -169,6 +169,10 @@ def _bench_parser(sub):
                    help="predict: MGRIT's coarsest level (default redundant)")
     g.add_argument("--weak", action="store_true",
                    help="predict: also weak scaling (N = --layers x P / first P)")
+    g.add_argument("--backend", choices=["auto", "numba", "numpy", "cuda", "cuda-emulated"],
+                   default="auto", help="calibrate / --validate: the kernels measured (auto: "
+                   "cuda where a GPU is present, else numba); predictions run the host code path "
+                   "with the table's costs")
     g.add_argument("--validate", action="store_true",
                    help="predict: also measure the same steps under mpiexec -n P for P <= 8 of "
                         "--ranks and print predicted vs measured (cores = this machine's)")

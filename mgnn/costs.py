@@ -128,8 +128,9 @@ def _placeholder(name, kind, args):
 class Recorder:
     """Collects (op, shape, dtype, k, seconds) samples of timed kernel calls."""
 
-    def __init__(self):
-        self.samples, self.enabled = [], True
+    def __init__(self, sync=None):
+        #: a callable that waits for the device (GPU backends), or None
+        self.samples, self.enabled, self.sync = [], True, sync
 
     def add(self, op, shape, dtype, k, seconds):
         if self.enabled:
@@ -141,10 +142,15 @@ class Recorder:
 
 def _timed_step(name, base):
     def method(self, *args, **kwargs):
+        sync = self._costs.sync if self._depth == 0 else None
+        if sync is not None:
+            sync()
         self._depth += 1  # a method calling another is timed once, as the outer one
         t0 = time.perf_counter()
         try:
             out = base(self, *args, **kwargs)
+            if sync is not None:
+                sync()
         finally:
             self._depth -= 1
         if self._depth == 0:
@@ -200,8 +206,13 @@ class _Module:
         def method(*args):
             shape = tuple(np.shape(args[arg]))
             if self._record:
+                sync = self._costs.sync
+                if sync is not None:
+                    sync()
                 t0 = time.perf_counter()
                 out = real(*args)
+                if sync is not None:
+                    sync()
                 self._costs.add(op, shape, self._dtype, 1, time.perf_counter() - t0)
                 return out
             charge(self._costs.seconds(op, shape, self._dtype, 1, self._method))

@@ -48,7 +48,7 @@ def default_config(**kw):
     """The network and MGRIT configuration of a prediction (``bench predict``'s flags)."""
     cfg = dict(model="dense", n_layers=256, width=64, in_features=None, channels=8,
                image_size=28, batch=128, dtype="float32", levels=3, cf=4, fwd_iters=2,
-               bwd_iters=1, coarsest="redundant", micro=(4,))
+               bwd_iters=1, coarsest="redundant", micro=(4,), spatial_levels=(), backend="numba")
     unknown = set(kw) - set(cfg)
     if unknown:
         raise ValueError(f"unknown configuration keys {sorted(unknown)}")
@@ -84,18 +84,21 @@ def mgrit_options(cfg):
             MGRITOptions(max_iter=cfg["bwd_iters"], **common))
 
 
-def _trainer(method, model, comm, cfg, micro=1):
+def _trainer(method, model, comm, cfg, micro=1, backend="numba"):
+    """The training object of ``method`` (the cost-only predictions run the host path,
+    ``backend`` 'numba'; calibration and validation the configured backend)."""
     from .network import LayerParallel
     from .pipeline import PipelineParallel
     if method == "serial":
-        return LayerParallel(model, threads=None)
+        return LayerParallel(model, threads=None, backend=backend)
     if method == "layerwise":
-        return LayerParallel(model, comm=comm, threads=None)
+        return LayerParallel(model, comm=comm, threads=None, backend=backend)
     if method == "pipeline":
-        return PipelineParallel(model, comm=comm, micro_batches=micro)
+        return PipelineParallel(model, comm=comm, micro_batches=micro, backend=backend)
     fwd, bwd = mgrit_options(cfg)
-    return LayerParallel(model, fwd=fwd, bwd=bwd, comm=comm, threads=None,
-                         coarsest=cfg["coarsest"])
+    return LayerParallel(model, fwd=fwd, bwd=bwd, comm=comm, threads=None, backend=backend,
+                         coarsest=cfg["coarsest"],
+                         spatial_levels=tuple(cfg.get("spatial_levels") or ()))
 
 
 def max_ranks(cfg, method):
@@ -124,6 +127,7 @@ def calibrate(cfg, repeats=5, layers=None, log=print):
         layers = min(N, max(256, 2 * cfg["cf"] ** max(cfg["levels"] - 1, 1)))
     model, x, y = build_model(cfg, layers)
     rec = Recorder()
+    rec.sync = _device_sync(cfg["backend"])
     rm = recording_model(model, rec)
     overhead, calls = {}, {}
     runs = [("serial", 1), ("layerwise", 1), ("mgrit", 1)] + [
@@ -148,7 +152,7 @@ def calibrate(cfg, repeats=5, layers=None, log=print):
         run_virtual(2, _recorded_steps, method, rm, cfg, x, y, repeats + 1)
     meta = dict(machine_meta(), config={k: (list(v) if isinstance(v, tuple) else v)
                                         for k, v in cfg.items()},
-                calibration_layers=layers, repeats=repeats, calls=calls,
+                calibration_layers=layers, repeats=repeats, calls=calls, backend=cfg["backend"],
                 numba_threads=_numba_threads())
     return CostTable.from_samples(rec.samples, overhead=overhead, meta=meta)
 
@@ -160,9 +164,11 @@ def _timed_steps(comm, method, model, cfg, x, y, M, rec, repeats):
         from .mgrit import MGRITOptions
         from .network import LayerParallel
         opts = MGRITOptions(max_levels=1)
-        obj = LayerParallel(model, fwd=opts, bwd=opts, comm=comm, threads=None)
+        obj = LayerParallel(model, fwd=opts, bwd=opts, comm=comm, threads=None,
+                            backend=cfg["backend"])
     else:
-        obj = _trainer(method, model, None if method == "serial" else comm, cfg, M)
+        obj = _trainer(method, model, None if method == "serial" else comm, cfg, M,
+                       cfg["backend"])
     rec.enabled = False
     obj.loss_and_grad(x, y)
     obj.loss_and_grad(x, y)
@@ -178,8 +184,23 @@ def _timed_steps(comm, method, model, cfg, x, y, M, rec, repeats):
     return walls, kern, ncall
 
 
+def _device_sync(backend):
+    """A callable that waits for the device of ``backend`` (None for host backends): timed
+    kernel calls then measure the kernels, not their launches."""
+    from .backend import get_backend
+    return getattr(getattr(get_backend(backend), "launcher", None), "synchronize", None)
+
+
+def resolve_backend(name):
+    """'auto': 'cuda' where a GPU is present, else 'numba'; other names as they are."""
+    if name == "auto":
+        from .backend import gpu_available
+        return "cuda" if gpu_available() else "numba"
+    return name
+
+
 def _recorded_steps(comm, method, model, cfg, x, y, steps):
-    obj = _trainer(method, model, comm, cfg)
+    obj = _trainer(method, model, comm, cfg, backend=cfg["backend"])
     for _ in range(steps):
         obj.loss_and_grad(x, y)
 
@@ -531,11 +552,20 @@ def config_from_args(args):
     flag)."""
     if args.model not in ("dense", "conv"):
         raise ValueError(f"--model {args.model}: bench {args.suite} covers dense and conv")
+    text = (args.spatial_levels or "").strip()
+    try:
+        spatial = tuple(int(v) for v in text.split(",")) if text else ()
+    except ValueError:
+        raise ValueError(f"--spatial-levels must be a comma list of level numbers, got "
+                         f"{args.spatial_levels!r}") from None
+    if spatial and args.model != "conv":
+        raise ValueError("--spatial-levels: spatial coarsening needs --model conv")
     return default_config(model=args.model, n_layers=args.n_layers, width=args.width,
                           in_features=args.in_features, channels=args.channels or 8,
                           batch=args.batch, dtype=args.dtype, levels=args.levels, cf=args.cf,
                           fwd_iters=args.fwd_iters, bwd_iters=args.bwd_iters,
-                          coarsest=args.coarsest,
+                          coarsest=args.coarsest, spatial_levels=spatial,
+                          backend=resolve_backend(getattr(args, "backend", None) or "numba"),
                           micro=tuple(_ints("--micro", args.micro or "4,16")))
 
 
@@ -547,8 +577,8 @@ def _calibrate_cmd(args, cfg, log):
     from .comm.threads import configure_threads
     path = _costs_path(args, cfg)
     configure_threads(None, args.threads)
-    log(f"calibrating {cfg['model']} ({_describe(cfg)}) with {args.threads} Numba thread(s), "
-        f"{args.repeats} recorded steps per method")
+    log(f"calibrating {cfg['model']} ({_describe(cfg)}) on backend {cfg['backend']} with "
+        f"{args.threads} Numba thread(s), {args.repeats} recorded steps per method")
     table = calibrate(cfg, repeats=args.repeats, log=log)
     alpha, beta, how = measure_network(log)
     table.alpha, table.beta = alpha, beta
@@ -562,9 +592,13 @@ def _calibrate_cmd(args, cfg, log):
 def _describe(cfg):
     size = (f"w={cfg['width']}" if cfg["model"] == "dense" else
             f"C={cfg['channels']}, {cfg['image_size']}x{cfg['image_size']}")
+    spatial = cfg.get("spatial_levels") or ()
+    coarsest = "sequential" if spatial else cfg["coarsest"]  # as LayerParallel picks it
     return (f"N={cfg['n_layers']}, {size}, B={cfg['batch']}, {cfg['dtype']}; MGRIT "
             f"{cfg['levels']} levels, cf {cfg['cf']}, {cfg['fwd_iters']} fwd + "
-            f"{cfg['bwd_iters']} adj cycles, coarsest {cfg['coarsest']}")
+            f"{cfg['bwd_iters']} adj cycles, coarsest {coarsest}"
+            + (f", spatial coarsening below levels {','.join(map(str, spatial))}"
+               if spatial else ""))
 
 
 def _load_table(args, cfg, log):
@@ -586,16 +620,27 @@ def _load_table(args, cfg, log):
 
 def coarsest_seconds(cfg, table):
     """Modelled seconds of the coarsest MGRIT level per training step (the redundant solve
-    every rank repeats, or the sequential chain): its steps times the per-step chain cost."""
+    every rank repeats, or the sequential chain): its steps times the per-step cost, at the
+    coarsest level's state shape (coarsened in space below each of ``spatial_levels``)."""
+    from .backend import grid_transfer
     from .mgrit import level_sizes
-    n_c = level_sizes(cfg["n_layers"], cfg["cf"], cfg["levels"], 2)[-1]
+    sizes = level_sizes(cfg["n_layers"], cfg["cf"], cfg["levels"], 2)
+    n_c, lev = sizes[-1], len(sizes) - 1
     model, x, _ = build_model(cfg, n_layers=max(cfg["cf"], 1))
-    shape = model.step.state_shape(x.shape[0])
+    shape = tuple(model.step.state_shape(x.shape[0]))
+    spatial = [s for s in (cfg.get("spatial_levels") or ()) if s < lev]
+    for _ in spatial:
+        shape = shape[:2] + tuple(grid_transfer.coarse_shape(shape[2:]))
+    # chains on stacked stores; one state at a time with spatial coarsening (the list engine)
+    ops = (("forward", "vjp_state") if spatial else ("chains_forward", "chains_adjoint"))
     t = 0.0
-    for op, cycles in (("chains_forward", cfg["fwd_iters"]), ("chains_adjoint", cfg["bwd_iters"])):
+    for op, cycles in zip(ops, (cfg["fwd_iters"], cfg["bwd_iters"])):
         try:
-            t += cycles * (table.seconds(op, shape, cfg["dtype"], n_c) -
-                           table.seconds(op, shape, cfg["dtype"], 0))
+            if spatial:
+                t += cycles * n_c * table.seconds(op, shape, cfg["dtype"], 1)
+            else:
+                t += cycles * (table.seconds(op, shape, cfg["dtype"], n_c) -
+                               table.seconds(op, shape, cfg["dtype"], 0))
         except KeyError:
             pass
     return t
@@ -649,9 +694,6 @@ def main(args, log=print):
     ``log``: a print-like callable (None: quiet)."""
     log = log or (lambda *a, **k: None)
     cfg = config_from_args(args)
-    if (args.spatial_levels or "").strip():
-        raise ValueError("--spatial-levels: predictions do not model spatial coarsening yet "
-                         "(its grid transfers are not in the cost table)")
     if args.suite == "calibrate":
         return [_calibrate_cmd(args, cfg, log).to_dict()]
     ranks = sorted(set(_ints("--ranks", args.ranks or DEFAULT_RANKS)))
@@ -741,13 +783,16 @@ def measure_steps(comm, cfg, repeats=5):
     runs = [("serial", 1)] if P == 1 else [("layerwise", 1)]
     runs += [("pipeline", M) for M in cfg["micro"] if M <= cfg["batch"]] + [("mgrit", 1)]
     out = {}
+    sync = _device_sync(cfg["backend"]) or (lambda: None)
     for method, M in runs:
-        obj = _trainer(method, model, None if method == "serial" else comm, cfg, M)
+        obj = _trainer(method, model, None if method == "serial" else comm, cfg, M,
+                       cfg["backend"])
         times = []
         for k in range(2 + repeats):
             comm.Barrier()
             t0 = time.perf_counter()
             obj.loss_and_grad(x, y)
+            sync()
             comm.Barrier()
             if k >= 2:
                 times.append(time.perf_counter() - t0)

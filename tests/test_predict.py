@@ -141,7 +141,7 @@ def _args(**kw):
                 fwd_iters=2, bwd_iters=1, micro="2", ranks="1,2,4", out=None, costs=None,
                 dtype="float32", in_features=None, network="calibrated", cores=None,
                 coarsest="redundant", weak=False, threads=1, channels=None, repeats=1,
-                spatial_levels=None)
+                spatial_levels=None, backend="numba")
     base.update(kw)
     return types.SimpleNamespace(**base)
 
@@ -232,3 +232,39 @@ def test_points_in_a_child_process_return_and_raise_as_in_this_one():
     assert _in_child(lambda a, b=1: (a, b), 3, b=4) == (3, 4)
     with pytest.raises(ZeroDivisionError):
         _in_child(lambda: 1 / 0)
+
+
+@GUARD
+def test_spatial_coarsening_is_predicted_from_its_own_calibration():
+    cfg = default_config(model="conv", n_layers=16, channels=2, batch=4, cf=2, levels=3,
+                         micro=(2,), spatial_levels=(0,))
+    table = calibrate(cfg, repeats=1, log=None)
+    # the coarse level's single-state kernels were measured at the coarse grid's shape
+    assert any(k.startswith("forward|[4, 2, 14, 14]|") for k in table.entries)
+    one, two = (predict_point(cfg, table, "mgrit", P)["time"] for P in (1, 2))
+    assert 0 < two < one
+    plain = dict(cfg, spatial_levels=())
+    with pytest.raises(ValueError, match="--spatial-levels: spatial coarsening needs --model"):
+        main(_args(spatial_levels="0"), log=None)
+    assert predict_point(plain, calibrate(plain, repeats=1, log=None), "mgrit", 2)["time"] > 0
+
+
+@GUARD
+def test_calibration_times_a_device_backend_through_its_launcher():
+    """'cuda-emulated' (the CUDA kernels on the host emulation) stands in for a GPU here: the
+    calibration runs the device backend's code path, waits for its launcher around every timed
+    call and records which backend the table holds; the prediction runs the host path."""
+    cfg = default_config(n_layers=8, width=4, batch=4, levels=2, cf=2, micro=(2,),
+                         backend="cuda-emulated")
+    syncs = []
+    from mgnn.backend import get_backend
+    launcher = get_backend("cuda-emulated").launcher
+    plain = launcher.synchronize
+    launcher.synchronize = lambda: (syncs.append(1), plain())[1]
+    try:
+        table = calibrate(cfg, repeats=1, layers=8, log=None)
+    finally:
+        launcher.synchronize = plain
+    assert table.meta["backend"] == "cuda-emulated"
+    assert len(syncs) >= 2 * sum(table.meta["calls"].values())  # before and after each call
+    assert predict_point(dict(cfg, backend="numba"), table, "mgrit", 2)["time"] > 0
