@@ -164,7 +164,8 @@ def _bench_parser(sub):
                    help="predict: message costs (default: the table's measured alpha/beta)")
     g.add_argument("--cores", type=int, default=None,
                    help="predict: cores the ranks share (P > cores stretches compute by "
-                        "P / cores: an oversubscribed single machine); default: a core each")
+                        "1 + (P / cores - 1) u, u the compute share without sharing: an "
+                        "oversubscribed single machine); default: a core each")
     g.add_argument("--coarsest", choices=["redundant", "sequential"], default="redundant",
                    help="predict: MGRIT's coarsest level (default redundant)")
     g.add_argument("--weak", action="store_true",

@@ -196,6 +196,8 @@ class _Module:
             setattr(self, name, self._make(name))
 
     def __getattr__(self, name):
+        if name.startswith("_"):  # not set yet (copy, unpickling): no recursion through _inner
+            raise AttributeError(name)
         return getattr(self._inner, name)
 
     def _make(self, name):
@@ -217,8 +219,10 @@ class _Module:
                 return out
             charge(self._costs.seconds(op, shape, self._dtype, 1, self._method))
             key = (name, shape)
-            if key not in self._memo:  # real outputs once per shape (values never matter)
-                self._memo[key] = real(*args)
+            if key not in self._memo:  # real outputs once per shape (values never matter), by
+                # the NumPy reference: no Numba threads (a forked child must not start OpenMP)
+                from .backend import get_backend
+                self._memo[key] = real(*args[:-1], get_backend("numpy"))
             return self._memo[key]
         return method
 
@@ -288,6 +292,8 @@ class CostTable:
         self.entries = {k: (float(a), float(b)) for k, (a, b) in entries.items()}
         self.overhead = dict(overhead or {})
         self.alpha, self.beta, self.meta = float(alpha), float(beta), dict(meta or {})
+        #: ops looked up at a shape the table does not hold (scaled from another shape)
+        self.inexact = set()
         self._index = {}
         for key, ab in self.entries.items():
             op, shape, dtype = key.split("|")
@@ -326,6 +332,7 @@ class CostTable:
             if exact:
                 ab = exact[0]
             else:
+                self.inexact.add(f"{op} at {tuple(shape)}")
                 s, (a, b) = min(cands, key=lambda c: (abs(math.log(max(math.prod(c[0]), 1)
                                                                   / max(size, 1))), c[0]))
                 ab = (a, b * size / max(math.prod(s), 1))

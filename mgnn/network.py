@@ -1394,7 +1394,7 @@ def _options_key(opts):
     if opts is None:
         return None
     return (opts.cf, opts.max_levels, opts.min_coarse, opts.skip_downcycle, opts.max_iter,
-            opts.cycle, tuple(opts.nrelax_on(lev) for lev in range(opts.max_levels)))
+            opts.cycle, opts._nrelax)  # _nrelax: the sweeps per level, the last one repeating
 
 
 _LAYER_SPLITS = {}  # (N, P, option keys, coarsest) -> (starts, work per block)

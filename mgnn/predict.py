@@ -149,7 +149,7 @@ def calibrate(cfg, repeats=5, layers=None, log=print):
                 f"overhead {per_call * 1e6:6.2f} us/call")
     for method in ("layerwise", "mgrit"):  # the calls only P > 1 makes (rank boundaries)
         rec.enabled = True
-        run_virtual(2, _recorded_steps, method, rm, cfg, x, y, repeats + 1)
+        run_virtual(2, _recorded_steps, method, rm, cfg, x, y, repeats + 1, rec)
     meta = dict(machine_meta(), config={k: (list(v) if isinstance(v, tuple) else v)
                                         for k, v in cfg.items()},
                 calibration_layers=layers, repeats=repeats, calls=calls, backend=cfg["backend"],
@@ -199,10 +199,27 @@ def resolve_backend(name):
     return name
 
 
-def _recorded_steps(comm, method, model, cfg, x, y, steps):
+def _recorded_steps(comm, method, model, cfg, x, y, steps, rec):
+    """``steps`` training steps on P > 1 ranks, the first one unrecorded (it compiles the
+    kernels only rank boundaries call)."""
     obj = _trainer(method, model, comm, cfg, backend=cfg["backend"])
-    for _ in range(steps):
+    for k in range(steps):
+        if comm.Get_rank() == 0:
+            rec.enabled = k > 0  # the ranks run one at a time: rank 0 starts each step
         obj.loss_and_grad(x, y)
+        comm.Barrier()
+
+
+def _build_solvers(obj):
+    """Build ``obj``'s MGRIT solvers now (LayerParallel builds them at its first step, each
+    duplicating the layer communicator: a collective that is no part of later steps)."""
+    solver = getattr(obj, "_solver", None)
+    if solver is None:
+        return
+    fallback = getattr(obj, "_serial_opts", None)
+    for kind, opts in (("forward", obj.fwd), ("adjoint", obj.bwd)):
+        if (opts or fallback) is not None and obj.layout.layer_size > 1:
+            solver(kind, opts or fallback)
 
 
 def _numba_threads():
@@ -258,6 +275,7 @@ def measure_network(log=print, timeout=120):
 
 def _rank_step(comm, method, model, cfg, x, y, micro):
     obj = _trainer(method, model, None if method == "serial" else comm, cfg, micro)
+    _build_solvers(obj)  # the steady state: a training run builds them once, before step 1
     st = comm.stats
     comm.Barrier()
     t0, c0, w0, m0 = comm.clock, st.compute_s, st.wait_s, st.message_s
@@ -367,11 +385,20 @@ def _in_child(fn, *args, **kwargs):
     proc.start()
     send.close()
     try:
+        while not recv.poll(1.0):
+            if not proc.is_alive() and not recv.poll(0.1):
+                raise EOFError
         kind, value = recv.recv()
     except EOFError:
         proc.join()
-        raise RuntimeError(f"the prediction's child process ended with exit code "
-                           f"{proc.exitcode} (out of memory?) and sent no result") from None
+        code = proc.exitcode
+        how = (f"was killed by signal {-code}" + (" (out of memory?)" if code == -9 else "")
+               if code is not None and code < 0 else f"ended with exit code {code}")
+        raise RuntimeError(f"the prediction's child process {how} and sent no result") \
+            from None
+    except Exception as exc:  # noqa: BLE001 -- a result that cannot be unpickled here
+        raise RuntimeError(f"the prediction's child process sent a result that cannot be "
+                           f"read: {exc}") from None
     finally:
         recv.close()
     proc.join()
@@ -615,7 +642,19 @@ def _load_table(args, cfg, log):
         if have.get(key) not in (None, cfg[key]):
             raise ValueError(f"--costs {path} was calibrated for --{key} {have.get(key)}, "
                              f"not {cfg[key]} (calibrate again)")
+    keys = ["batch", "in_features", "spatial_levels"] + (
+        ["width"] if cfg["model"] == "dense" else ["channels", "image_size"])
+    differ = [f"{k} {have[k]} (predicting {_plain(cfg[k])})" for k in keys
+              if k in have and have[k] != _plain(cfg[k])]
+    if differ:
+        log(f"warning: {path} was calibrated with {', '.join(differ)}: kernel costs at other "
+            f"shapes are scaled by their number of elements (calibrate at these shapes for "
+            f"exact costs)")
     return table, path
+
+
+def _plain(v):
+    return list(v) if isinstance(v, tuple) else v
 
 
 def coarsest_seconds(cfg, table):
@@ -706,7 +745,14 @@ def main(args, log=print):
         f"(alpha {table.alpha * 1e6:.2f} us, beta {table.beta / 1e9:.1f} GB/s), costs {path}"
         + (f", {args.cores} cores shared" if args.cores else ""))
     if getattr(args, "validate", False):
-        vr = validate(cfg, table, [P for P in ranks if P <= 8], repeats=args.repeats, log=log)
+        small = [P for P in ranks if P <= 8]
+        if not small:
+            raise ValueError(f"--validate measures the P <= 8 of --ranks; --ranks {args.ranks} "
+                             f"has none")
+        if table.meta.get("threads", 1) != 1:
+            log(f"warning: {path} was calibrated with {table.meta['threads']} threads per rank; "
+                f"--validate measures with one (NUMBA_NUM_THREADS=1)")
+        vr = validate(cfg, table, small, repeats=args.repeats, log=log)
         log(format_validation(vr))
         worst = max(abs(r["error"]) for r in vr)
         log(f"largest prediction error: {100 * worst:.1f}%")
@@ -736,6 +782,9 @@ def main(args, log=print):
     log(text)
     for other, P in cross.items():
         log(f"MGRIT overtakes {other}: " + (f"from P = {P}" if P else "not in --ranks"))
+    if table.inexact:
+        log(f"note: {len(table.inexact)} kernel costs were scaled from other shapes: "
+            + "; ".join(sorted(table.inexact)[:6]) + (" ..." if len(table.inexact) > 6 else ""))
     for L in lim[-3:]:
         log(f"  mgrit P={L['ranks']}: limited by {L['limit']} (coarsest level "
             f"{100 * L['coarsest_level']:.0f}%, waiting {100 * L['waiting']:.0f}%, messages "
@@ -819,7 +868,7 @@ def validate(cfg, table, ranks=(1, 2, 4), repeats=5, log=print, timeout=900):
                        os.environ.get("PATH", ""))
     if exe is None:
         raise ValueError("bench predict --validate needs mpiexec (pip install 'mgnn[mpi]')")
-    cores = os.cpu_count() or 1
+    cores = _cores()
     env = dict(os.environ, NUMBA_NUM_THREADS="1", OMP_NUM_THREADS="1",
                OPENBLAS_NUM_THREADS="1")
     doc = json.dumps({k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.items()})
@@ -848,6 +897,14 @@ def validate(cfg, table, ranks=(1, 2, 4), repeats=5, log=print, timeout=900):
                          "predicted_s": pred, "error": pred / t - 1.0,
                          "oversubscribed": P > cores})
     return rows
+
+
+def _cores():
+    """CPUs this process may run on (its affinity; all CPUs where that is unknown)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def format_validation(rows):

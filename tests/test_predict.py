@@ -268,3 +268,29 @@ def test_calibration_times_a_device_backend_through_its_launcher():
     assert table.meta["backend"] == "cuda-emulated"
     assert len(syncs) >= 2 * sum(table.meta["calls"].values())  # before and after each call
     assert predict_point(dict(cfg, backend="numba"), table, "mgrit", 2)["time"] > 0
+
+
+@GUARD
+def test_conv_points_in_a_child_after_numba_ran_here():
+    """P >= 256 runs in a forked child; the parent has run Numba's threaded kernels by then
+    (the calibration), which a child must not start again (GNU OpenMP refuses fork)."""
+    cfg = default_config(model="conv", n_layers=1024, channels=2, image_size=8, batch=4, cf=4,
+                         levels=3, micro=(2,))
+    table = calibrate(cfg, repeats=1, layers=64, log=None)
+    rows = predict(cfg, table, [2, 256], methods=("mgrit",), log=None)
+    assert [r["ranks"] for r in rows] == [2, 256] and rows[1]["time_s"] < rows[0]["time_s"]
+
+
+def test_virtual_run_errors_come_back_from_a_child_intact():
+    import pickle
+    from mgnn.comm.virtual import VirtualAbort, VirtualDeadlock
+    from mgnn.predict import _in_child
+
+    def lonely(comm):
+        if comm.Get_rank() == 1:
+            comm.Recv(np.zeros(1), source=0, tag=5)
+    with pytest.raises(VirtualDeadlock, match="rank 1 waits for a message from rank 0") as info:
+        _in_child(run_virtual, 2, lonely)
+    assert set(info.value.blocked) == {1}
+    back = pickle.loads(pickle.dumps(VirtualAbort("m", 2, 7)))
+    assert (str(back), back.rank, back.errorcode) == ("m", 2, 7)

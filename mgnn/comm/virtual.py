@@ -127,6 +127,9 @@ class VirtualDeadlock(RuntimeError):
         super().__init__(message)
         self.blocked = blocked
 
+    def __reduce__(self):  # picklable both ways (e.g. from a forked prediction)
+        return type(self), (str(self), self.blocked)
+
 
 class VirtualAbort(RuntimeError):
     """A virtual rank called ``Abort``. ``rank``, ``errorcode``; ``__cause__``: the exception
@@ -135,6 +138,9 @@ class VirtualAbort(RuntimeError):
     def __init__(self, message, rank, errorcode):
         super().__init__(message)
         self.rank, self.errorcode = rank, errorcode
+
+    def __reduce__(self):
+        return type(self), (str(self), self.rank, self.errorcode)
 
 
 class VirtualTimeout(RuntimeError):
@@ -375,7 +381,11 @@ class _World:
             if not self.heap:
                 if self.done == self.size:
                     return None
-                self.failure = ("deadlock", None, self._deadlock())
+                if self.failure is None:
+                    self.failure = ("deadlock", None, self._deadlock())
+                    continue
+                if not self.blocked:  # live ranks neither ready nor blocked: nothing can run
+                    return None
                 continue
             _, i = heapq.heappop(self.heap)
             rank = self.ranks[i]
@@ -1167,8 +1177,8 @@ def run_virtual(size, fn, *args, network=None, timeout_s=None, trace=False, payl
         Message costs (default ``Network()``).
     timeout_s : float or None
         Wall-clock limit; past it, every rank ends at its next communication call and
-        :class:`VirtualTimeout` is raised (after at most 10 s more, even if a rank never
-        communicates again).
+        :class:`VirtualTimeout` is raised. A rank that never communicates again is not
+        interrupted (the ranks share one thread; tests guard with pytest-timeout).
     trace : bool
         Record each rank's compute / wait / message intervals in ``RankStats.events``.
     payloads : bool
@@ -1177,7 +1187,9 @@ def run_virtual(size, fn, *args, network=None, timeout_s=None, trace=False, payl
         values mean nothing (:mod:`mgnn.costs`): a received message is zeros, a collective
         leaves the receive buffers as they are, nothing is copied or added (a run of 4096
         ranks each holding a whole coarse MGRIT level then fits in memory). Pickled objects are
-        always delivered. Sizes, matching, clocks and statistics are the same as with payloads.
+        always delivered. Sizes, matching, clocks and statistics are the same as with payloads
+        as long as no control flow depends on array values (MGRIT with ``tol = 0``: fixed
+        cycles; with ``tol > 0`` a residual reduction returns each rank's own value).
 
     Returns
     -------
@@ -1212,7 +1224,14 @@ def run_virtual(size, fn, *args, network=None, timeout_s=None, trace=False, payl
     if timeout_s is not None:
         world.timeout_s, world.deadline = timeout_s, time.monotonic() + timeout_s
     try:
-        world.schedule(world.deadline)
+        try:
+            world.schedule(world.deadline)
+        except BaseException as exc:  # noqa: B036 -- in the loop itself (e.g. Ctrl-C there)
+            if world.failure is None:
+                kind = "interrupt" if isinstance(exc, KeyboardInterrupt) else "exception"
+                world.failure = (kind, None, exc)
+            world.schedule(None)  # every rank unwinds (VirtualStop) and frees what it holds
+            raise
     finally:
         _set_warning_state(world.warnings)
     if world.failure is not None:

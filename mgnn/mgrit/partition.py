@@ -323,8 +323,8 @@ class Partition:
                              f"<= n_steps={self.n_steps}")
         if len(set(rk)) != len(rk):
             raise ValueError(f"Partition ranks {rk} hold more than one block each")
-        object.__setattr__(self, "starts", _interned(st))
-        object.__setattr__(self, "ranks", _interned(rk))
+        object.__setattr__(self, "starts", _interned(tuple(int(v) for v in st)))
+        object.__setattr__(self, "ranks", _interned(tuple(int(v) for v in rk)))
         object.__setattr__(self, "_block", _block_index(self.ranks))  # rank -> block
 
     @classmethod
