@@ -726,8 +726,7 @@ class LayerParallel:
             replicas = _ReplicaGather(self.layout.data_comm)
         self.ctx = StepContext(seed=model.dropout_seed, buffers=model.group_buffers(),
                                replicas=replicas)
-        starts, work_per_block = _balanced_layers(N, P, _options_key(fwd), _options_key(bwd),
-                                                  fwd, bwd, self.coarsest)
+        starts, work_per_block = _balanced_layers(N, P, fwd, bwd, self.coarsest)
         self.partition = Partition(N, starts, tuple(range(P)))
         self.adjoint_partition = self.partition.mirrored()
         #: modelled layer evaluations per training step of each layer rank (balanced)
@@ -1400,11 +1399,11 @@ def _options_key(opts):
 _LAYER_SPLITS = {}  # (N, P, option keys, coarsest) -> (starts, work per block)
 
 
-def _balanced_layers(N, P, fwd_key, bwd_key, fwd, bwd, coarsest):
+def _balanced_layers(N, P, fwd, bwd, coarsest):
     """(starts, work per block) of N layers on P layer ranks (:func:`balanced_starts` over
     :func:`layer_work_model`), computed once per configuration in a process: virtual ranks
-    build the same split P times. ``fwd_key``/``bwd_key``: :func:`_options_key` of the options."""
-    key = (N, P, fwd_key, bwd_key, coarsest)
+    build the same split P times."""
+    key = (N, P, _options_key(fwd), _options_key(bwd), coarsest)
     got = _LAYER_SPLITS.get(key)
     if got is None:
         work = layer_work_model(N, fwd, bwd, coarsest)

@@ -521,7 +521,7 @@ def plot_prediction(rows, path, title):
     axes[0].legend(fontsize=8)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    _save(fig, path)
+    _save_figure(fig, path)
 
 
 def plot_gantt(events, path, title):
@@ -543,21 +543,7 @@ def plot_gantt(events, path, title):
     ax.invert_yaxis()
     ax.legend(loc="upper right", fontsize=8, ncol=3)
     fig.tight_layout()
-    _save(fig, path)
-
-
-def _save(fig, path):
-    import matplotlib.pyplot as plt
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp.png")
-    try:
-        fig.savefig(tmp, dpi=110)
-        os.replace(tmp, path)
-    finally:
-        plt.close(fig)
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    _save_figure(fig, path)
 
 
 DEFAULT_RANKS = "1,2,4,8,16,32,64,128,256,512,1024,2048,4096"
@@ -702,16 +688,17 @@ def limits(rows, cfg, table):
 
 
 def _write_text(path, text):
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    """``text`` to ``path`` atomically (its folder made first)."""
+    from .scaling import _atomic_write
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    _atomic_write(path, text.encode())
+
+
+def _save_figure(fig, path):
+    """The PNG of ``fig`` to ``path`` atomically (its folder made first); closes ``fig``."""
+    from .scaling import _save_figure as save
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    save(fig, path)
 
 
 def _csv(rows):

@@ -402,10 +402,8 @@ class _World:
         import greenlet
         main = self.main = greenlet.getcurrent()
         while True:
-            if deadline is not None and self.failure is None and time.monotonic() > deadline:
-                self.failure = ("timeout", None, VirtualTimeout(
-                    f"virtual run past its timeout of {self.timeout_s} s "
-                    f"({self.describe_state()})"))
+            if deadline is not None:
+                self.check_deadline()
             rank = self.pick()
             if rank is None:
                 self.running = None
@@ -449,14 +447,18 @@ class _World:
             who = "no virtual rank" if self.running is None else f"rank {self.running.index}"
             raise RuntimeError(f"a communicator of virtual rank {rank.index} was used while "
                                f"{who} runs (communicators must not be shared between ranks)")
-        if self.failure is None and self.deadline is not None:
+        if self.deadline is not None:
             self.calls += 1
-            if self.calls % 64 == 0 and time.monotonic() > self.deadline:
-                self.failure = ("timeout", None, VirtualTimeout(
-                    f"virtual run past its timeout of {self.timeout_s} s "
-                    f"({self.describe_state()})"))
+            if self.calls % 64 == 0:  # the clock read is the costly part
+                self.check_deadline()
         if self.failure is not None:
             raise VirtualStop(self.stop_message())
+
+    def check_deadline(self):
+        """Past ``timeout_s``: the run's failure is a VirtualTimeout (if it has none yet)."""
+        if self.failure is None and time.monotonic() > self.deadline:
+            self.failure = ("timeout", None, VirtualTimeout(
+                f"virtual run past its timeout of {self.timeout_s} s ({self.describe_state()})"))
 
     def block(self, rank, req):
         """Give up the baton until ``req`` completes."""

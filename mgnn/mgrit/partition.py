@@ -382,12 +382,7 @@ def _level_counts(partition, spacing, n_level):
     a = -(-st[:-1] // spacing)
     b = np.minimum(-(-st[1:] // spacing), n_level + 1)
     b = np.maximum(a, b)
-    order = {r: q for q, r in enumerate(partition.ranks)}
-    blocks = [order[r] for r in range(len(partition.ranks))] \
-        if set(partition.ranks) == set(range(len(partition.ranks))) else None
-    if blocks is None:
-        raise ValueError(f"level_counts needs the ranks 0..{len(partition.ranks) - 1}, got "
-                         f"{partition.ranks}")
+    blocks = [partition.block_of_rank(r) for r in range(len(partition.ranks))]  # rank order
     return tuple(int(v) for v in (b - a)[blocks]), tuple(int(v) for v in a[blocks])
 
 
