@@ -343,7 +343,7 @@ class _CountingPropagator:
 
 def bench_mgrit(n_layers=256, width=64, batch=128, cf=4, levels=3, nrelax=(0, 1), cycles=2,
                 backend="numba", dtype="float32", activation="relu", skip=True, seed=0,
-                repeats=7):
+                repeats=7, rounds=6):
     """Forward and adjoint MGRIT solves of a dense net against the cost model: time of the solve
     over (its layer evaluations x the serial sweep's time per layer evaluation), same kernels and
     run. The serial sweep: the faster of the exact layer-by-layer solve (one chain of N steps)
@@ -369,13 +369,16 @@ def bench_mgrit(n_layers=256, width=64, batch=128, cf=4, levels=3, nrelax=(0, 1)
         counter = _CountingPropagator(make())
         MGRITSolver(counter, n_layers, opts, ops=ops).solve(u0)
         solver = MGRITSolver(make(), n_layers, opts, ops=ops, reuse_states=True)
+        engine = MGRITSolver(make(), n_layers, opts, ops=ops, reuse_states=True, capture=False)
         exact = MGRITSolver(make(), n_layers, MGRITOptions(max_levels=1), ops=ops,
                             reuse_states=True)
-        # the fastest of 2 x repeats short samples each, interleaved: other processes on a
-        # shared machine only add time
-        mgrit = serial = np.inf
-        for _ in range(2):
+        # the fastest of rounds x repeats short samples each, interleaved: other processes on
+        # a shared machine only add time
+        mgrit = serial = uncaptured = np.inf
+        for _ in range(rounds):
             mgrit = min(mgrit, median_time(lambda: solver.solve(u0), repeats=repeats, stat=min))
+            uncaptured = min(uncaptured, median_time(lambda: engine.solve(u0), repeats=repeats,
+                                                     stat=min))
             serial = min(serial, median_time(lambda: exact.solve(u0), repeats=repeats, stat=min))
             if name == "forward":  # the serial training path's sweep, if it is faster
                 V = np.empty_like(U)
@@ -389,6 +392,7 @@ def bench_mgrit(n_layers=256, width=64, batch=128, cf=4, levels=3, nrelax=(0, 1)
                             f"cf={cf} levels={sizes} nrelax={list(nrelax)} {cycles} cycles"
                             f"{' skip' if skip else ''} {backend}",
                     "direction": name, "width": width, "mgrit_s": mgrit, "serial_s": serial,
+                    "uncaptured_s": uncaptured, "captured": bool(solver._tapes),
                     "evals": counter.calls, "model_evals": model_evals,
                     "work_ratio": counter.calls / n_layers, "time_ratio": mgrit / serial,
                     "cost_model_ratio": mgrit / (counter.calls * per_eval),
@@ -398,11 +402,17 @@ def bench_mgrit(n_layers=256, width=64, batch=128, cf=4, levels=3, nrelax=(0, 1)
 
 def format_mgrit(results):
     """Plain-text lines for :func:`bench_mgrit` results."""
-    return "\n".join(
-        f"{r['name']}\n    MGRIT {1e3 * r['mgrit_s']:8.2f} ms, serial sweep {1e3 * r['serial_s']:7.2f} "
-        f"ms; layer evaluations {r['evals']} (model {r['model_evals']}) = {r['work_ratio']:.3f} N; "
-        f"time ratio {r['time_ratio']:.3f}; time / (evaluations x serial time per evaluation) "
-        f"= {r['cost_model_ratio']:.3f}  [target {r['target']}]" for r in results)
+    lines = []
+    for r in results:
+        replayed = (f" (cycles replayed; through the engine {1e3 * r['uncaptured_s']:.2f} ms)"
+                    if r.get("captured") else "")
+        lines += [r["name"],
+                  f"    MGRIT {1e3 * r['mgrit_s']:8.2f} ms{replayed}, serial sweep "
+                  f"{1e3 * r['serial_s']:7.2f} ms; layer evaluations {r['evals']} (model "
+                  f"{r['model_evals']}) = {r['work_ratio']:.3f} N; time ratio "
+                  f"{r['time_ratio']:.3f}; time / (evaluations x serial time per evaluation) = "
+                  f"{r['cost_model_ratio']:.3f}  [target {r['target']}]"]
+    return "\n".join(lines)
 
 
 class CountingLauncher:
@@ -416,6 +426,7 @@ class CountingLauncher:
 
     name = "counting"
     on_device = False
+    captures = True  #: graphs are counted (:meth:`begin_capture`)
     #: array constructors that are counted as allocations (each returns zeros)
     ALLOCATORS = ("empty", "zeros", "ones", "full", "empty_like", "zeros_like", "ones_like",
                   "full_like")
@@ -427,6 +438,19 @@ class CountingLauncher:
         self.xp = self  # numpy, except that the ALLOCATORS are counted and zero-filled
         self.launches = collections.Counter()
         self.pointers = self.allocations = 0
+        self._captured = None  # the launches of a graph being captured
+
+    def begin_capture(self):
+        """Record the launches that follow into a graph (:meth:`end_capture`) instead of counting
+        them, as CUDA stream capture would."""
+        import collections
+        self._captured = collections.Counter()
+
+    def end_capture(self):
+        """The graph of the launches since :meth:`begin_capture`; its ``launch()`` counts as
+        one launch ('graph')."""
+        kernels, self._captured = self._captured, None
+        return _CountedGraph(self, kernels)
 
     def __getattr__(self, name):
         if name in CountingLauncher.ALLOCATORS:
@@ -448,10 +472,20 @@ class CountingLauncher:
         return np.ascontiguousarray(a)
 
     def launch(self, name, dtype, grid, block, args):
-        self.launches[name] += 1
+        (self.launches if self._captured is None else self._captured)[name] += 1
 
     def synchronize(self):
         """Nothing runs."""
+
+
+class _CountedGraph:
+    """A captured launch sequence of :class:`CountingLauncher` (``kernels``: its launches)."""
+
+    def __init__(self, launcher, kernels):
+        self.launcher, self.kernels = launcher, kernels
+
+    def launch(self):
+        self.launcher.launches["graph"] += 1
 
 
 def bench_gpu_launches(n_layers=1024, width=64, batch=64, cf=4, levels=3, fwd_iters=2,
@@ -467,8 +501,13 @@ def bench_gpu_launches(n_layers=1024, width=64, batch=64, cf=4, levels=3, fwd_it
     work here (on a GPU they are CuPy launches, not counted in ``launches``). Each step fills
     one gradient buffer (``loss_and_grad(x, y, out=grads)``), as :func:`mgnn.train.fit` does.
 
+    Methods: 'mgrit' (each fixed MGRIT cycle captured as a graph on the second step and
+    launched from the third on: a graph launch counts as one, 'graph'), 'mgrit no graphs' and
+    'serial'.
+
     Returns a list of dicts: method, launches, launches_by_kernel, pointers, allocations
-    (of the second step: the first allocates the step's buffers), host_seconds (median).
+    (of the third step: the first allocates the step's buffers, the second captures the
+    graphs), host_seconds (median), graph_kernels (launches inside the graphs).
     """
     from .backend.cupy_raw import RawBackend
     from .mgrit import MGRITOptions
@@ -476,14 +515,14 @@ def bench_gpu_launches(n_layers=1024, width=64, batch=64, cf=4, levels=3, fwd_it
     x = rng.standard_normal((batch, width)).astype(np.float32)
     y = rng.integers(0, 10, batch)
     out = []
-    for method in ("mgrit", "serial"):
+    for method in ("mgrit", "mgrit no graphs", "serial"):
         launcher = CountingLauncher()
         bk = RawBackend(launcher, "counting")
         model = dense_resnet(width, width, 10, n_layers, dtype="float32", seed=seed)
-        if method == "mgrit":
+        if method != "serial":
             fwd = MGRITOptions(cf=cf, max_levels=levels, max_iter=fwd_iters, tol=0.0)
             bwd = MGRITOptions(cf=cf, max_levels=levels, max_iter=bwd_iters, tol=0.0)
-            lp = LayerParallel(model, fwd, bwd, backend=bk)
+            lp = LayerParallel(model, fwd, bwd, backend=bk, capture=method == "mgrit")
         else:
             lp = LayerParallel(model, backend=bk)
         grads = model.params.zeros_like()
@@ -492,32 +531,41 @@ def bench_gpu_launches(n_layers=1024, width=64, batch=64, cf=4, levels=3, fwd_it
             return lp.loss_and_grad(x, y, out=grads)
 
         step()
+        step()
         launcher.launches.clear()
         launcher.pointers = launcher.allocations = 0
         step()
         counts = dict(launcher.launches)
         pointers, allocations = launcher.pointers, launcher.allocations
         seconds = median_time(step, repeats=repeats, warmup=0, min_time=0.0)
+        graphs = [e[0] for s in lp._solvers.values() for e in s._graphs.values()
+                  if e != "warm"]
         out.append({"method": method, "n_layers": n_layers, "width": width, "batch": batch,
                     "launches": sum(counts.values()), "launches_by_kernel": counts,
-                    "pointers": pointers, "allocations": allocations, "host_seconds": seconds})
+                    "pointers": pointers, "allocations": allocations, "host_seconds": seconds,
+                    "graph_kernels": sum(sum(g.kernels.values()) for g in graphs)})
     return out
 
 
 def format_gpu_launches(results):
     """Table of :func:`bench_gpu_launches` results."""
     lines = ["GPU backend, one training step, no kernel run (host side only):",
-             f"{'method':>8} {'N':>6} {'launches':>9} {'pointers':>9} {'allocs':>7} "
-             f"{'host ms':>9}"]
+             f"{'method':>16} {'N':>6} {'launches':>9} {'in graphs':>10} {'pointers':>9} "
+             f"{'allocs':>7} {'host ms':>9}"]
     for r in results:
-        lines.append(f"{r['method']:>8} {r['n_layers']:>6} {r['launches']:>9} "
-                     f"{r['pointers']:>9} {r['allocations']:>7} {1e3 * r['host_seconds']:9.1f}")
-    if len(results) == 2:
-        m, s = results
-        lines.append(f"launches serial / MGRIT: {s['launches'] / m['launches']:.1f}x; host time "
-                     f"MGRIT / serial: {m['host_seconds'] / s['host_seconds']:.2f}x")
-    lines.append("(second step; host ms include the MGRIT engine's strided vector operations, "
-                 "run here as NumPy work: CuPy launches on a GPU, not counted as launches)")
+        lines.append(f"{r['method']:>16} {r['n_layers']:>6} {r['launches']:>9} "
+                     f"{r.get('graph_kernels', 0):>10} {r['pointers']:>9} {r['allocations']:>7} "
+                     f"{1e3 * r['host_seconds']:9.1f}")
+    by = {r["method"]: r for r in results}
+    s = by.get("serial")
+    for name in ("mgrit", "mgrit no graphs"):
+        m = by.get(name)
+        if m is not None and s is not None:
+            lines.append(f"{name}: launches serial / MGRIT {s['launches'] / m['launches']:.1f}x; "
+                         f"host time MGRIT / serial {m['host_seconds'] / s['host_seconds']:.2f}x")
+    lines.append("(third step; a graph launch counts as one; host ms include the MGRIT engine's "
+                 "strided vector operations outside graphs, run here as NumPy work: CuPy "
+                 "launches on a GPU, not counted as launches)")
     return "\n".join(lines)
 
 

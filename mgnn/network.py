@@ -346,7 +346,38 @@ class ForwardPropagator:
         self.batched = fused and bool(getattr(bk, "batched_relaxation", False))
         self.fused_rhs = True  # step_batch adds the FAS rhs in the kernel's epilogue
         self.stacked = fused and _has_stacked(bk)
+        self.captures = self.stacked and self.kind.can_replay(bk)
+        self.graphs = self.stacked and bool(getattr(bk, "graphs", False))
         self.replicas = {}
+
+    def begin_graph(self):
+        """Capture the backend's launches that follow into a graph (a GPU backend)."""
+        self.bk.begin_capture()
+
+    def end_graph(self):
+        """The graph captured since :meth:`begin_graph` (``launch()`` replays it)."""
+        return self.bk.end_capture()
+
+    def graph_key(self):
+        """The addresses a captured graph reads the layers from (a change recaptures)."""
+        return _addresses(self.W, self.b)
+
+    def tape_layers(self, origin, stride, level):
+        """(layer0, layer step, h) of the stacked kernels for a store with this origin and
+        stride (what :meth:`advance` passes them), for a captured cycle."""
+        return origin - stride, stride, self.dtype.type(stride * self.h)
+
+    def tape_stores(self, stores):
+        """A captured cycle's stores in the backend's form."""
+        return self.bk.stores_list(stores)
+
+    def run_tape(self, stores, rows, hs, norms):
+        """Replay a captured cycle (:mod:`mgnn.backend.tape`) with the current parameters."""
+        self.kind.run_tape(self.W, self.b, 0, stores, rows, hs, norms, False, self.bk)
+
+    def tape_key(self):
+        """What a captured cycle's layer indices were checked against (a change recaptures)."""
+        return self.W.shape, self.b.shape
 
     def advance(self, U, G, chains, origin, stride, level):
         """Stacked relaxation (:class:`mgnn.mgrit.engines.StackedEngine`): slot i is fine index
@@ -405,10 +436,31 @@ class AdjointPropagator:
         self.batched = fused and bool(getattr(bk, "batched_relaxation", False))
         self.fused_rhs = True
         self.stacked = fused and _has_stacked(bk)
+        self.captures = self.stacked and self.kind.can_replay(bk)
+        self.graphs = self.stacked and bool(getattr(bk, "graphs", False))
         self.derivs, self.d0 = None, 0  # sigma' of layers d0, d0 + 1, ... as one array
         self.replicas = {}
 
     coarse_replica = ForwardPropagator.coarse_replica
+    tape_stores = ForwardPropagator.tape_stores
+    begin_graph, end_graph = ForwardPropagator.begin_graph, ForwardPropagator.end_graph
+
+    def graph_key(self):
+        D, d0 = self._stacked_derivs()
+        return _addresses(self.W, D) + (d0,)
+
+    def tape_layers(self, origin, stride, level):
+        """(layer0, layer step, h) as :meth:`advance` passes them, for a captured cycle."""
+        return self.N - origin, -stride, self.dtype.type(stride * self.h)
+
+    def run_tape(self, stores, rows, hs, norms):
+        """Replay a captured cycle with the current sigma' (:meth:`reset`)."""
+        D, d0 = self._stacked_derivs()
+        self.kind.run_tape(self.W, D, d0, stores, rows, hs, norms, True, self.bk)
+
+    def tape_key(self):
+        D, d0 = self._stacked_derivs()
+        return self.W.shape, D.shape, d0
 
     def reset(self, states, derivs):
         """The forward states and linearisation caches of a new training step."""
@@ -658,6 +710,10 @@ class LayerParallel:
     restrict : {'full', 'injection'}
         Restriction: 'full' (the transpose of ``interp`` scaled to preserve constants) or
         'injection'. The adjoint solve uses the transposes (P^T to restrict, R^T to correct).
+    capture : bool
+        Replay fixed MGRIT cycles from a capture (``MGRITSolver(capture=)``: one Numba call per
+        cycle on the CPU, a CUDA graph launch on a GPU; one layer rank, no spatial coarsening;
+        results identical). Default True.
 
     Composed steps (batch norm, dropout: :class:`mgnn.blocks.composed.ComposedStep`) run the
     single-state propagator protocol, and their coarsest level is always 'sequential' (the
@@ -680,7 +736,8 @@ class LayerParallel:
 
     def __init__(self, model, fwd=None, bwd=None, comm=None, backend="numba", warm_start=False,
                  data_ranks=1, overlap=True, threads="auto", coarsest="redundant",
-                 sync_bn=False, spatial_levels=(), interp="linear", restrict="full"):
+                 sync_bn=False, spatial_levels=(), interp="linear", restrict="full",
+                 capture=True):
         if not isinstance(model, Model):
             raise TypeError(f"model must be an mgnn Model, got {type(model).__name__}")
         for name, opt in (("fwd", fwd), ("bwd", bwd)):
@@ -695,6 +752,7 @@ class LayerParallel:
         self.model = model
         self.fwd, self.bwd, self.warm_start = fwd, bwd, warm_start
         self.overlap = bool(overlap)
+        self.capture = bool(capture)
         self.backend = backend
         bk, error = None, None
         try:  # may fail on some ranks only (a node without a GPU): every rank raises alike
@@ -958,7 +1016,8 @@ class LayerParallel:
                                              abort_on_error=False, overlap=self.overlap,
                                              ops=vector_ops(self.backend),
                                              xp=None if self.xp is np else self.xp,
-                                             reuse_states=True, coarsest=self.coarsest)
+                                             reuse_states=True, coarsest=self.coarsest,
+                                             capture=self.capture)
         return self._solvers[key]
 
     def _distributed_forward(self, x, opts, guess=None):
@@ -1440,6 +1499,15 @@ def layer_work_model(n_layers, fwd, bwd, coarsest="redundant"):
                                            mirrored=mirrored)
         work += 1.0  # the final F-relaxation (F-points only: an upper bound)
     return work
+
+
+def _addresses(*arrays):
+    """The data addresses (and shapes) of host or device arrays."""
+    out = ()
+    for a in arrays:
+        ptr = getattr(a.data, "ptr", None)  # CuPy; NumPy's .data is a memoryview
+        out += (a.__array_interface__["data"][0] if ptr is None else ptr, a.shape)
+    return out
 
 
 def _has_stacked(bk):

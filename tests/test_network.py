@@ -124,12 +124,19 @@ def test_gpu_launch_model_interval_batching_cuts_launches():
     """Counted, not timed: one training step of the GPU backend (no kernel run) at N=256 takes
     fewer launches with interval-batched MGRIT (cf 4, 3 levels, 2/1 cycles) than layer by layer,
     which takes 4 per layer (+1 for the loss); the MGRIT step's gradients are one stacked launch
-    per kind, and its second step reads no pointer and allocates nothing."""
+    per kind, and its steps after the first read no pointer and allocate nothing. With the
+    cycles captured as graphs (from the third step on) the MGRIT kernels run inside them: a
+    graph launch counts as one."""
     from mgnn.bench import bench_gpu_launches
-    mgrit, serial = bench_gpu_launches(n_layers=256, width=8, batch=4, repeats=1)
+    graphs, mgrit, serial = bench_gpu_launches(n_layers=256, width=8, batch=4, repeats=1)
     # 4 per step, the loss, opening and closing: 1 forward + 3 vjp launches each
     assert serial["launches"] == 4 * 256 + 1 + 2 * (1 + 3)
     assert mgrit["launches"] < serial["launches"] / 2
+    # forward: the cascadic cycle, a full cycle, the final relaxation; adjoint: 2 of those
+    assert graphs["launches_by_kernel"]["graph"] == 5
+    assert "dense_stacked_forward" not in graphs["launches_by_kernel"]
+    assert graphs["launches"] < mgrit["launches"] / 4 and graphs["graph_kernels"] > 0
+    assert graphs["pointers"] == 0 and graphs["allocations"] == 0
     by_kernel = mgrit["launches_by_kernel"]
     assert by_kernel["dense_stacked_forward"] > 0 and by_kernel["dense_stacked_adjoint"] > 0
     assert by_kernel["dense_weight_grad_stacked"] == by_kernel["dense_deriv_stacked"] == 1

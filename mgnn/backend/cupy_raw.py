@@ -83,6 +83,10 @@ class CupyLauncher:
                 for t, dt in (("float", np.float32), ("double", np.float64)):
                     self._functions[(k, np.dtype(dt))] = (module, f"{k}<{t}>")
         self.launches = 0
+        #: CUDA stream capture is available (CuPy's Stream.begin_capture; not on HIP)
+        self.captures = callable(getattr(getattr(cupy.cuda, "Stream", None), "begin_capture",
+                                         None)) and not getattr(cupy.cuda.runtime, "is_hip",
+                                                                False)
 
     @staticmethod
     def ptr(a):
@@ -114,6 +118,36 @@ class CupyLauncher:
     def synchronize(self):
         """Wait for the current stream."""
         self.xp.cuda.get_current_stream().synchronize()
+
+    def begin_capture(self):
+        """Capture what follows (launches and CuPy work) into a CUDA graph, on a private
+        non-blocking stream made current; the work queued before is finished first."""
+        cuda = self.xp.cuda
+        self._outer = cuda.get_current_stream()
+        self._outer.synchronize()
+        if getattr(self, "_capture_stream", None) is None:
+            self._capture_stream = cuda.Stream(non_blocking=True)
+        self._capture_stream.use()
+        self._capture_stream.begin_capture()
+
+    def end_capture(self):
+        """The captured :class:`DeviceGraph` (the stream current before is current again)."""
+        try:
+            graph = self._capture_stream.end_capture()
+        finally:
+            self._outer.use()
+        return DeviceGraph(graph, self)
+
+
+class DeviceGraph:
+    """A captured CUDA graph; :meth:`launch` replays it on the current stream (one launch)."""
+
+    def __init__(self, graph, launcher):
+        self.graph, self.launcher = graph, launcher
+
+    def launch(self):
+        self.launcher.launches += 1
+        self.graph.launch(stream=self.launcher.xp.cuda.get_current_stream())
 
 
 #: Most problems one batched launch takes (the grid's y / z extent).
@@ -225,6 +259,8 @@ class RawBackend:
 
     def __init__(self, launcher, name="cuda"):
         self.launcher, self.xp, self.name = launcher, launcher.xp, name
+        #: the launcher captures launch sequences as graphs (:meth:`begin_capture`)
+        self.graphs = bool(getattr(launcher, "captures", False))
         self.geometry = launcher.geometry
         self.poison_outputs = False
         self._plans, self._scratch = {}, {}
@@ -243,6 +279,14 @@ class RawBackend:
             yield self
         finally:
             self._ws_counts = outer
+
+    def begin_capture(self):
+        """Capture the launches that follow into a graph (the launcher's stream capture)."""
+        self.launcher.begin_capture()
+
+    def end_capture(self):
+        """The graph captured since :meth:`begin_capture` (``launch()`` replays it)."""
+        return self.launcher.end_capture()
 
     def clear_workspace(self):
         """Free the buffers cached by :meth:`workspace`."""

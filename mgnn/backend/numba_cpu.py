@@ -12,6 +12,7 @@ import numba
 from numba.extending import overload
 from numba import njit, prange
 
+from . import tape as _T
 from .numpy_ref import _int, bn_dims, check_stacked, conv3d_check, gate_check
 
 name = "numba"
@@ -861,6 +862,52 @@ def _conv_adj_step(lam, Kl, Dl, h, sp, acc, out, u, g, has_g, mode):
             _conv_out(lam, bi, c, h, acc, out, u, g, has_g, mode, 0, True)
 
 
+# Shared steps (captured cycles, mgnn.backend.tape SHARE): a fine step and the coarse step out of
+# the same state through the same layer differ only in h, so one GEMM / convolution gives both:
+# the fine one into out (+ g), the coarse one plain into p. Each output by the epilogue the
+# single-step kernels use, so both are bit-identical to computing them apart.
+@njit(cache=True)
+def _dense_fwd_shared(x, Wl, bl, h, h2, act, z, out, g, has_g, p):
+    np.dot(x, Wl.T, z)
+    _dense_epilogue(x, z, bl, h, act, True, out, z, False)
+    _dense_epilogue(x, z, bl, h2, act, True, p, z, False)
+    _finish_mode(out, p, out, g, has_g, 2)
+
+
+@njit(cache=True)
+def _dense_adj_shared(lam, Wl, Dl, h, h2, s, z, out, g, has_g, p):
+    for r in range(s.shape[0]):
+        for j in range(s.shape[1]):
+            s[r, j] = Dl[r, j] * lam[r, j]
+    np.dot(s, Wl, z)
+    for r in range(z.shape[0]):
+        for j in range(z.shape[1]):
+            out[r, j] = lam[r, j] + h * z[r, j]
+            p[r, j] = lam[r, j] + h2 * z[r, j]
+    _finish_mode(out, s, out, g, has_g, 2)
+
+
+@njit(cache=True)
+def _conv_fwd_shared(x, Kl, bl, h, h2, act, xp, acc, out, g, has_g, p):
+    for bi in range(x.shape[0]):
+        _pad_into(x, x, bi, xp, False)
+        for c in range(x.shape[1]):
+            acc[:] = bl[c]
+            _conv_plane(xp, Kl, c, acc)
+            _conv_out(x, bi, c, h, acc, out, out, g, has_g, 2, act, False)
+            _conv_out(x, bi, c, h2, acc, p, p, p, False, 2, act, False)
+
+
+@njit(cache=True)
+def _conv_adj_shared(lam, Kl, Dl, h, h2, sp, acc, out, g, has_g, p):
+    for bi in range(lam.shape[0]):
+        _pad_into(lam, Dl, bi, sp, True)
+        for c in range(lam.shape[1]):
+            _conv_vjp_plane(sp, Kl, c, acc)
+            _conv_out(lam, bi, c, h, acc, out, out, g, has_g, 2, 0, True)
+            _conv_out(lam, bi, c, h2, acc, p, p, p, False, 2, 0, True)
+
+
 # Each chain body runs one chain (first, n, o): o >= 0 writes R[o] (a point), o < 0 writes U[i].
 # It returns sum ||out||^2 in mode 0. Its scratch comes from the driver: once per call (serial),
 # once per chain (parallel: one per thread's work).
@@ -1140,6 +1187,179 @@ def _stacked_kind(kind):
 
 globals().update(_stacked_kind("dense"))
 globals().update(_stacked_kind("conv"))
+
+
+# ------------------------------------------------------------ captured cycles (tapes)
+# Layout: mgnn.backend.tape. One call runs a whole captured MGRIT cycle through the chain bodies
+# above (the same per-step code as the stacked kernels: bit-identical to the engine's calls).
+def _tape_body(U, G, has_g, R, W, P, d0, first, n, o, l0, ls, h, act, mode, a, b, adjoint):
+    """The chain body of U's kind (dense: 3-d stores, conv: 5-d), forward (P = b) or adjoint
+    (P = sigma', as many dimensions as the stores)."""
+
+
+@overload(_tape_body)
+def _tape_body_impl(U, G, has_g, R, W, P, d0, first, n, o, l0, ls, h, act, mode, a, b,
+                    adjoint):
+    # forward: P = b (N, c); adjoint: P = sigma' (layers, *state)
+    body = {(3, False): _dense_fwd_chain, (3, True): _dense_adj_chain,
+            (5, False): _conv_fwd_chain, (5, True): _conv_adj_chain}[U.ndim, P.ndim > 2]
+
+    def impl(U, G, has_g, R, W, P, d0, first, n, o, l0, ls, h, act, mode, a, b, adjoint):
+        return body(U, G, has_g, R, W, P, d0, first, n, o, l0, ls, h, act, mode, a, b)
+    return impl
+
+
+def _tape_shared(U, G, has_g, W, P, d0, i, l0, ls, h, h2, act, a, b, p):
+    """The shared step into slot i of U and the coarse step out of U[i - 1] into p."""
+
+
+@overload(_tape_shared)
+def _tape_shared_impl(U, G, has_g, W, P, d0, i, l0, ls, h, h2, act, a, b, p):
+    if U.ndim == 3 and P.ndim == 2:
+        return lambda U, G, has_g, W, P, d0, i, l0, ls, h, h2, act, a, b, p: _dense_fwd_shared(
+            U[i - 1], W[l0 + i * ls], P[l0 + i * ls], h, h2, act, a, U[i], G[i], has_g, p)
+    if U.ndim == 3:
+        return lambda U, G, has_g, W, P, d0, i, l0, ls, h, h2, act, a, b, p: _dense_adj_shared(
+            U[i - 1], W[l0 + i * ls], P[l0 + i * ls - d0], h, h2, a, b, U[i], G[i], has_g, p)
+    if P.ndim == 2:
+        return lambda U, G, has_g, W, P, d0, i, l0, ls, h, h2, act, a, b, p: _conv_fwd_shared(
+            U[i - 1], W[l0 + i * ls], P[l0 + i * ls], h, h2, act, a, b, U[i], G[i], has_g, p)
+    return lambda U, G, has_g, W, P, d0, i, l0, ls, h, h2, act, a, b, p: _conv_adj_shared(
+        U[i - 1], W[l0 + i * ls], P[l0 + i * ls - d0], h, h2, a, b, U[i], G[i], has_g, p)
+
+
+def _tape_scratch(U):
+    """Scratch of one chain body for stores like U (any mode, forward or adjoint)."""
+
+
+@overload(_tape_scratch)
+def _tape_scratch_impl(U):
+    if U.ndim == 3:
+        return lambda U: (np.empty(U.shape[1:], dtype=U.dtype),
+                          np.empty(U.shape[1:], dtype=U.dtype))
+    return lambda U: _conv_scratch(U, 0)
+
+
+@njit(cache=True)
+def _tape_row(S, row, hs, W, P, d0, act, adjoint, a, b, p):
+    """Run one tape row (mgnn.backend.tape); returns the squared norm of a residual point."""
+    op, U = row[_T.OP], S[row[_T.U]]
+    if op == _T.CHAIN or op == _T.POINT:
+        has_g = row[_T.G] >= 0
+        G = S[row[_T.G]] if has_g else U
+        R = S[row[_T.R]] if row[_T.R] >= 0 else U
+        l0, ls, h = row[_T.LAYER0], row[_T.LSTEP], hs[row[_T.H]]
+        if op == _T.POINT:
+            return _tape_body(U, G, has_g, R, W, P, d0, row[_T.FIRST], 1, row[_T.OUT], l0, ls,
+                              h, act, row[_T.MODE], a, b, adjoint)
+        first, n = row[_T.FIRST], row[_T.N]
+        share = row[_T.SHARE_R] >= 0
+        if share:  # the first step also gives the coarse step out of U[first - 1] (into p)
+            _tape_shared(U, G, has_g, W, P, d0, first, l0, ls, h, hs[row[_T.SHARE_H]], act, a,
+                         b, p)
+            first, n = first + 1, n - 1
+        _tape_body(U, G, has_g, U, W, P, d0, first, n, -1, l0, ls, h, act, 2, a, b, adjoint)
+        t = 0.0
+        if row[_T.R] >= 0:  # the chain's tail point: the step into the slot after it into R[OUT]
+            t = _tape_body(U, G, has_g, R, W, P, d0, first + n, 1, row[_T.OUT], l0, ls, h, act,
+                           row[_T.MODE], a, b, adjoint)
+        if share:  # the coarse FAS right-hand side: (Rc[o] + Vc[j]) - p
+            o = S[row[_T.SHARE_R]][row[_T.SHARE_OUT]].reshape(-1)
+            u = S[row[_T.SHARE_U]][row[_T.SHARE_SLOT]].reshape(-1)
+            pf = p.reshape(-1)
+            for e in range(o.size):
+                o[e] = (o[e] + u[e]) - pf[e]
+        return t
+    R, first, stride, out = S[row[_T.R]], row[_T.FIRST], row[_T.N], row[_T.OUT]
+    if op == _T.INJECT:
+        also = S[row[_T.G]] if row[_T.G] >= 0 else R
+        for q in range(row[_T.LEN]):
+            src, dst = U[first + q * stride].reshape(-1), R[out + q].reshape(-1)
+            dst2 = also[out + q].reshape(-1)
+            for e in range(dst.size):
+                dst[e] = src[e]
+                dst2[e] = src[e]
+    elif op == _T.COPY:
+        src, dst = U.reshape(-1), R.reshape(-1)
+        for e in range(dst.size):
+            dst[e] = src[e]
+    elif op == _T.CORRECT:
+        Uc = S[row[_T.G]]
+        for q in range(row[_T.LEN]):
+            u, uc, v = (U[first + q * stride].reshape(-1), Uc[out + q].reshape(-1),
+                        R[out + q].reshape(-1))
+            for e in range(u.size):
+                u[e] = u[e] + (uc[e] - v[e])
+    return 0.0
+
+
+@njit(cache=True)
+def _tape(S, ops, hs, W, P, d0, act, adjoint, norms):
+    a, b = _tape_scratch(S[0])
+    p = np.empty(S[0].shape[1:], dtype=S[0].dtype)
+    for k in range(ops.shape[0]):
+        t = _tape_row(S, ops[k], hs, W, P, d0, act, adjoint, a, b, p)
+        if ops[k, _T.NORM] >= 0:
+            norms[ops[k, _T.NORM]] += t
+
+
+@njit(cache=True, parallel=True)
+def _tape_par(S, ops, hs, W, P, d0, act, adjoint, norms):
+    a, b = _tape_scratch(S[0])
+    p = np.empty(S[0].shape[1:], dtype=S[0].dtype)
+    k = 0
+    while k < ops.shape[0]:
+        run = ops[k, _T.RUN]
+        if run > 1 and (ops[k, _T.OP] == _T.CHAIN or ops[k, _T.OP] == _T.POINT):
+            t = np.zeros(run)
+            for q in prange(run):  # the rows of one engine call are independent
+                aa, bb = _tape_scratch(S[0])
+                pp = np.empty(S[0].shape[1:], dtype=S[0].dtype)
+                t[q] = _tape_row(S, ops[k + q], hs, W, P, d0, act, adjoint, aa, bb, pp)
+            for q in range(run):  # in row order, as the serial driver adds them
+                if ops[k + q, _T.NORM] >= 0:
+                    norms[ops[k + q, _T.NORM]] += t[q]
+            k += run
+        else:
+            t0 = _tape_row(S, ops[k], hs, W, P, d0, act, adjoint, a, b, p)
+            if ops[k, _T.NORM] >= 0:
+                norms[ops[k, _T.NORM]] += t0
+            k += 1
+
+
+def stores_list(stores):
+    """The stores of a tape as a Numba typed list (built once per tape; item 0 rebinds)."""
+    out = numba.typed.List()
+    for s in stores:
+        out.append(s)
+    return out
+
+
+def _run_tape(kind, stores, ops, hs, W, P, d0, act, adjoint, norms, parallel=None):
+    """Replay ``ops`` (mgnn.backend.tape) on ``stores`` (:func:`stores_list`) with the layers W
+    and b (forward) or sigma' D from layer d0 (adjoint); squared norms added into ``norms``."""
+    U0 = stores[0]
+    if (W.dtype != U0.dtype or P.dtype != U0.dtype or hs.dtype != U0.dtype
+            or U0.ndim != _STACKED_NDIM[kind]):
+        raise TypeError(f"{kind} tape: W {W.dtype}, P {P.dtype}, hs {hs.dtype} for "
+                        f"{U0.ndim}-d stores of {U0.dtype}")
+    if parallel is None:
+        parallel = numba.get_num_threads() > 1
+    (_tape_par if parallel else _tape)(stores, ops, hs, W, P, int(d0), int(act), bool(adjoint),
+                                       norms)
+
+
+_STACKED_NDIM = {"dense": 3, "conv": 5}
+
+
+def dense_run_tape(stores, ops, hs, W, P, d0, act, adjoint, norms, parallel=None):
+    """Numba: one call for a captured cycle of dense steps (:mod:`mgnn.backend.tape`)."""
+    _run_tape("dense", stores, ops, hs, W, P, d0, act, adjoint, norms, parallel)
+
+
+def conv_run_tape(stores, ops, hs, W, P, d0, act, adjoint, norms, parallel=None):
+    """Numba: one call for a captured cycle of conv steps (:mod:`mgnn.backend.tape`)."""
+    _run_tape("conv", stores, ops, hs, W, P, d0, act, adjoint, norms, parallel)
 
 
 # ------------------------------------------------------------ stacked gradient kernels

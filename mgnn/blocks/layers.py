@@ -126,6 +126,16 @@ class _StepKind:
         return getattr(bk, self._prefix + "_points_adjoint")(L, G, R, W, D, d0, slots, out_slots,
                                                              layer0, layer_step, h, mode)
 
+    def can_replay(self, bk):
+        """Whether ``bk`` replays captured cycles of this kind (``<kind>_run_tape``)."""
+        return callable(getattr(bk, self._prefix + "_run_tape", None))
+
+    def run_tape(self, W, P, d0, stores, rows, hs, norms, adjoint, bk):
+        """Replay a captured cycle (:mod:`mgnn.backend.tape`): forward (P = b) or adjoint (P = D,
+        sigma' of layers d0, d0 + 1, ...)."""
+        getattr(bk, self._prefix + "_run_tape")(stores, rows, hs, W, P, d0,
+                                                2 if adjoint else self.act, adjoint, norms)
+
     def deriv_stacked(self, W, b, U, first, count, layer0, D, bk):
         """In place: D[p] = sigma'(z) of layer layer0 + p at state U[first + p], p < count
         (see mgnn.backend.STACKED_GRAD_KERNELS)."""

@@ -18,9 +18,13 @@ sweep are independent of each other. ``points`` modes: 0 residual ``R[o] = Phi(u
 (+ g_i)`` returning the sum of squared norms, 1 FAS ``R[o] = (R[o] + u_i) - Phi(u_{i-1})``, 2 plain
 ``R[o] = Phi(u_{i-1}) (+ g_i)``.
 """
+import operator
 import time
+from collections.abc import Sequence
 
 import numpy as np
+
+from ..backend import tape as T
 
 RESIDUAL, FAS, PLAIN = 0, 1, 2
 
@@ -98,10 +102,14 @@ class ListEngine:
         """Drop the reference to a receive buffer held in the left ghost slot."""
         U[0] = None
 
-    def inject(self, Uf, V, fine0, stride, coarse0, k):
-        """V[coarse0 + q] = Uf[fine0 + q stride], q < k (restriction by injection)."""
+    def inject(self, Uf, V, fine0, stride, coarse0, k, also=None):
+        """V[coarse0 + q] = Uf[fine0 + q stride], q < k (restriction by injection), and into the
+        store ``also`` alike (the coarse iterate; the other slots of a store carry nothing: a
+        ghost slot is set before every read)."""
         for q in range(k):
             V[coarse0 + q] = Uf[fine0 + q * stride]
+            if also is not None:
+                also[coarse0 + q] = V[coarse0 + q]
 
     def coarse_stores(self, lev, template):
         """(V, G, U) stores of coarse level ``lev``: the injected states, the FAS right-hand
@@ -311,6 +319,33 @@ class ListEngine:
         return self.combine(U, G, R, [1], [out], [phi], mode)
 
 
+class StackedStates(Sequence):
+    """The level-0 states of a stacked solve by fine index 0..n (views of the store, made on
+    access; None where another rank holds the point): a list's indexing without a Python object
+    per state up front."""
+
+    __slots__ = ("store", "a", "b", "n")
+
+    def __init__(self, store, a, b, n):
+        self.store, self.a, self.b, self.n = store, a, b, n
+
+    def __len__(self):
+        return self.n + 1
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(self.n + 1))]
+        i = operator.index(i)
+        if i < 0:
+            i += self.n + 1
+        if not 0 <= i <= self.n:
+            raise IndexError(f"state index {i} outside 0..{self.n}")
+        return self.store[i - self.a + 1] if self.a <= i < self.b else None
+
+    def __repr__(self):
+        return f"StackedStates(points {self.a}..{self.b - 1} of 0..{self.n})"
+
+
 class _Whole:
     """A one-block partition (every point on rank 0) for a full replicated store."""
 
@@ -322,6 +357,96 @@ class _Whole:
 
     def owner(self, fine_index):
         return 0
+
+
+class _Norm(float):
+    """A squared residual norm computed while a cycle is captured: the tape's ``norms`` slot it
+    is replayed into (a sum of two is a plain float, which the tape cannot replay)."""
+
+    def __new__(cls, value, index):
+        out = super().__new__(cls, value)
+        out.index = index
+        return out
+
+
+class Tape:
+    """A captured cycle (:mod:`mgnn.backend.tape`): the rows, the stores they name (item 0: the
+    level-0 store, rebound at every replay), the step sizes, how many norms, and where the
+    cycle's return value comes from (``result``: a norms index, or None / 0.0 as captured)."""
+
+    def __init__(self, rows, stores, hs, n_norms, result, key):
+        self.rows, self.stores, self.hs, self.n_norms = rows, stores, hs, n_norms
+        self.result, self.key = result, key
+        self.replays = 0
+        self.bound = None  # the stores in the propagator's form (built at the first replay)
+
+
+class _Recorder:
+    """Collects the rows of the stacked engine's calls during one captured cycle."""
+
+    def __init__(self, engine, U0):
+        self.engine, self.rows, self.hs, self.n_norms = engine, [], {}, 0
+        self.stores, self.ids = [U0], {id(U0): 0}
+        self.broken = None  # why this cycle cannot be replayed
+
+    def _persistent(self, a):
+        """Whether ``a`` is one of the engine's stores (kept for the engine's lifetime)."""
+        for v in self.engine._scratch.values():
+            if any(x is a for x in (v if isinstance(v, tuple) else (v,))):
+                return True
+        return False
+
+    def store(self, a):
+        """The tape index of store ``a`` (-1 for None); a temporary array breaks the tape."""
+        if a is None:
+            return -1
+        k = self.ids.get(id(a))
+        if k is None:
+            if not self._persistent(a):
+                self.broken = "an array that is not one of the engine's stores"
+                return -1
+            k = self.ids[id(a)] = len(self.stores)
+            self.stores.append(a)
+        return k
+
+    def h(self, value):
+        return self.hs.setdefault(value, len(self.hs))
+
+    def row(self, op, run=1, **cols):
+        r = [0] * T.COLS
+        r[T.OP], r[T.RUN] = op, run
+        r[T.G] = r[T.R] = r[T.OUT] = r[T.NORM] = r[T.SHARE_R] = -1
+        for name, v in cols.items():
+            r[getattr(T, name)] = int(v)
+        self.rows.append(r)
+
+    def steps(self, op, U, G, R, firsts, lens, outs, origin, stride, lev, mode):
+        """Rows of one advance (CHAIN) or points (POINT) call."""
+        layer0, lstep, h = self.engine.prop.tape_layers(origin, stride, lev)
+        u, g, r, hk = self.store(U), self.store(G), self.store(R), self.h(h)
+        norm = -1
+        if op == T.POINT and mode == RESIDUAL:
+            norm, self.n_norms = self.n_norms, self.n_norms + 1
+        for q, (f, n, o) in enumerate(zip(firsts, lens, outs)):
+            self.row(op, len(firsts) if q == 0 else 1, U=u, G=g, R=r, FIRST=f, N=n, OUT=o,
+                     LAYER0=layer0, LSTEP=lstep, H=hk, MODE=mode, NORM=norm)
+        return norm
+
+    def finish(self, result, key, xp):
+        """The :class:`Tape`, or None if this cycle cannot be replayed."""
+        if isinstance(result, _Norm):
+            result = result.index
+        elif result is not None and not (result == 0.0 and not self.n_norms):
+            self.broken = "the cycle returned a sum of residual norms"
+        if self.broken:
+            return None
+        dtype = self.stores[0].dtype
+        hs = np.array([h for h, _ in sorted(self.hs.items(), key=lambda kv: kv[1])],
+                      dtype=dtype)
+        rows = T.share_first_steps(T.fuse_tails(self.rows))
+        rows = np.array(rows, dtype=np.int64).reshape(-1, T.COLS)
+        return Tape(rows, self.stores, hs, self.n_norms,
+                    result if isinstance(result, int) else ("const", result), key)
 
 
 class StackedEngine(ListEngine):
@@ -342,6 +467,46 @@ class StackedEngine(ListEngine):
         super().__init__(solver)
         self.xp = xp
         self._scratch = {}
+        self._rec = None  # the recorder of a cycle being captured
+
+    # capture (mgnn.backend.tape): a fixed cycle recorded once, then replayed in one call
+    def can_capture(self):
+        """Whether this engine's cycles can be captured: host stores, a propagator that replays
+        tapes (``run_tape`` and ``tape_layers``), one rank, one state shape on every level."""
+        s, prop = self.solver, self.prop
+        return (self.xp is np and s.halo.size == 1 and not s._spatial
+                and bool(getattr(prop, "captures", False))
+                and all(callable(getattr(prop, m, None)) for m in ("run_tape", "tape_layers")))
+
+    def begin_capture(self, U0):
+        self._rec = _Recorder(self, U0)
+
+    def end_capture(self, result, key):
+        """The captured :class:`Tape` (None if the cycle cannot be replayed)."""
+        rec, self._rec = self._rec, None
+        return None if rec is None else rec.finish(result, key, self.xp)
+
+    def abandon_capture(self):
+        self._rec = None
+
+    def replay(self, tape, U0):
+        """Run ``tape`` on the level-0 store ``U0``; the cycle's return value."""
+        if tape.bound is None:
+            tape.bound = self.prop.tape_stores(tape.stores)
+        stores = tape.bound
+        stores[0] = U0
+        norms = np.zeros(max(tape.n_norms, 1))
+        t0 = time.perf_counter()
+        self.prop.run_tape(stores, tape.rows, tape.hs, norms)
+        self.solver._step_seconds += time.perf_counter() - t0
+        tape.replays += 1
+        if isinstance(tape.result, tuple):
+            return tape.result[1]
+        return None if tape.result is None else _Norm(float(norms[tape.result]), tape.result)
+
+    def _uncaptured(self, what):
+        if self._rec is not None:
+            self._rec.broken = what
 
     def store(self, level, template):
         if not level.m:
@@ -349,20 +514,24 @@ class StackedEngine(ListEngine):
         return self.xp.zeros((level.m + 2,) + tuple(template.shape), dtype=template.dtype)
 
     def states_view(self, level, U, n):
-        out = [None] * (n + 1)
-        if level.m:
-            out[level.a:level.b] = list(U[1:level.m + 1])
-        return out
+        return StackedStates(U, level.a, level.b, n)
 
     def set(self, U, slot, value, copy):
+        self._uncaptured("a state set from outside the cycle's steps")
         U[slot] = value
 
     def clear_ghost(self, U):
         """Nothing: the ghost slot holds a copy."""
 
-    def inject(self, Uf, V, fine0, stride, coarse0, k):
+    def inject(self, Uf, V, fine0, stride, coarse0, k, also=None):
         if k:
             V[coarse0:coarse0 + k] = Uf[fine0:fine0 + (k - 1) * stride + 1:stride]
+            if also is not None:
+                also[coarse0:coarse0 + k] = V[coarse0:coarse0 + k]
+            if self._rec is not None:
+                r = self._rec
+                r.row(T.INJECT, U=r.store(Uf), R=r.store(V), G=r.store(also), FIRST=fine0,
+                      N=stride, OUT=coarse0, LEN=k)
 
     def coarse_stores(self, lev, template):
         """(V, G, U) of coarse level ``lev``: allocated once, reused by every cycle."""
@@ -382,6 +551,8 @@ class StackedEngine(ListEngine):
     def copy_store(self, src, dst):
         if src is not None:
             dst[...] = src
+            if self._rec is not None:
+                self._rec.row(T.COPY, U=self._rec.store(src), R=self._rec.store(dst))
 
     def _add_into(self, U, slot, e):
         U[slot] += e
@@ -397,6 +568,10 @@ class StackedEngine(ListEngine):
             fn = GenericOps().correct_strided
         fn(Uf, fine0, stride, Uc, V, coarse0, k, self._tmp(Uc, k))
         self.solver._vector_seconds += time.perf_counter() - t0
+        if self._rec is not None:
+            r = self._rec
+            r.row(T.CORRECT, U=r.store(Uf), G=r.store(Uc), R=r.store(V), FIRST=fine0, N=stride,
+                  OUT=coarse0, LEN=k)
 
     def _tmp(self, like, k):
         key = (like.shape[1:], like.dtype.str)
@@ -411,6 +586,7 @@ class StackedEngine(ListEngine):
         return (self._a(lev) - 1) * L.s, L.s
 
     def gather_level(self, lev, U, G, counts, displs, n):
+        self._uncaptured("a collective")
         L = self.solver.levels[lev]
         t = self.solver._templates[lev]
         key = ("full", lev, t.shape, t.dtype.str)
@@ -438,6 +614,9 @@ class StackedEngine(ListEngine):
         t0 = time.perf_counter()
         self.prop.advance(U, G, rows, origin, stride, lev)
         self.solver._step_seconds += time.perf_counter() - t0
+        if self._rec is not None:
+            self._rec.steps(T.CHAIN, U, G, None, rows[:, 0], rows[:, 1], [-1] * len(rows),
+                            origin, stride, lev, PLAIN)
 
     def points(self, lev, U, G, R, js, outs, mode, plan=None, key=None):
         if not js:
@@ -458,9 +637,15 @@ class StackedEngine(ListEngine):
                 buf[...] = r2
             r2 = buf
         self.solver._step_seconds += time.perf_counter() - t0
+        if self._rec is not None:
+            norm = self._rec.steps(T.POINT, U, G, R, slots, [1] * len(slots), out_slots, origin,
+                                   stride, lev, mode)
+            if norm >= 0:
+                r2 = _Norm(r2, norm)
         return r2
 
     def boundary(self, lev, U, pull, plan):
+        self._uncaptured("a halo message")
         L = self.solver.levels[lev]
         if pull:
             return U[L.m]
@@ -477,6 +662,7 @@ class StackedEngine(ListEngine):
         return buf
 
     def combine_message(self, lev, U, G, R, msg, mode, out):
+        self._uncaptured("a halo message")
         t0 = time.perf_counter()
         r2 = 0.0
         r = R[out]

@@ -223,6 +223,15 @@ class MGRITSolver:
         boundary states then go
         to MPI as device buffers if the MPI library is CUDA-aware, else staged through pinned
         host buffers (:mod:`mgnn.comm.device`); ``halo.path`` says which.
+    capture : bool
+        Capture each kind of cycle (and the final relaxation) the first time it runs and replay
+        it afterwards in one backend call (:mod:`mgnn.backend.tape`; same arithmetic, results
+        bit-identical): with a stacked propagator that replays tapes (``captures = True``,
+        ``tape_layers``, ``tape_stores``, ``run_tape``), host states, one rank and no spatial
+        coarsening. A stacked propagator with ``graphs = True`` (``begin_graph``, ``end_graph``,
+        ``graph_key``: a GPU backend) instead has its second run of each cycle captured as a
+        CUDA graph and launched from then on (with ``reuse_states``, one rank, no spatial
+        coarsening). Otherwise, or ``False``, every cycle runs through the engine.
     abort_on_error : bool
         In a distributed solve, an exception on any rank (a user propagator's included) is
         reported and ends every rank with ``comm.Abort`` instead of leaving the others waiting.
@@ -230,7 +239,7 @@ class MGRITSolver:
 
     def __init__(self, propagator, n_steps, options=None, comm=None, partition=None,
                  abort_on_error=True, norm_comm=None, overlap=True, ops=None, xp=None,
-                 reuse_states=False, coarsest="auto"):
+                 reuse_states=False, coarsest="auto", capture=True):
         if not callable(getattr(propagator, "step", None)):
             raise TypeError(f"propagator {type(propagator).__name__} has no step(u, start, stop, "
                             "level) method")
@@ -250,6 +259,7 @@ class MGRITSolver:
         self._stacked = bool(getattr(propagator, "stacked", False)) and all(
             callable(getattr(propagator, m, None)) for m in ("advance", "points"))
         self.xp, self.reuse_states = xp, bool(reuse_states)
+        self.capture, self._tapes, self._graphs = bool(capture), {}, {}
         self._engines, self._plans, self._states_key = {}, {}, None
         self.engine = None
         if coarsest not in ("auto", "redundant", "sequential"):
@@ -484,8 +494,8 @@ class MGRITSolver:
         f0, c0, k = self._coarse_range(lev, C.a)
         if self._spatial:
             eng.inject_restricted(U, V, f0, cf, c0, k, lev)
-        else:
-            eng.inject(U, V, f0, cf, c0, k)
+        else:  # into the coarse iterate too: it starts from the injected states
+            eng.inject(U, V, f0, cf, c0, k, also=Uc)
         r2 = 0.0
         if fas:
             self._f_relax(U, G, lev)
@@ -497,7 +507,8 @@ class MGRITSolver:
                 eng.restrict_slots(R, Gc, [i - C.a + 1 for i in range(max(C.a, 1), C.b)], lev)
             self._apply(lev + 1, V, None, Gc, lambda i: True, "fas_rhs", 1,
                         lambda i: i - C.a + 1)
-        eng.copy_store(V, Uc)
+        if self._spatial:
+            eng.copy_store(V, Uc)
         return V, (Gc if fas else None), Uc, r2
 
     def _cycle(self, lev, U, G, kind, skip):
@@ -567,6 +578,58 @@ class MGRITSolver:
                             collective=(DivergenceError,)):
             return self._solve(u0, initial_guess, o)
 
+    def _captured(self, key, U, run):
+        """``run()`` (a cycle or the final relaxation on the level-0 store U): captured the first
+        time (:meth:`StackedEngine.begin_capture`), replayed after that; uncaptured where the
+        engine cannot capture (see ``capture``)."""
+        eng = self.engine
+        if not (self.capture and eng.stacked):
+            return run()
+        if not eng.can_capture():
+            if (getattr(self.prop, "graphs", False) and self.reuse_states
+                    and self.halo.size == 1 and not self._spatial):
+                return self._graph(key, U, run)
+            return run()
+        key = key + (U.shape, U.dtype.str, self.prop.tape_key())
+        tape = self._tapes.get(key)
+        if tape is not None:
+            return eng.replay(tape, U)
+        eng.begin_capture(U)
+        try:
+            out = run()
+        except BaseException:
+            eng.abandon_capture()
+            raise
+        tape = eng.end_capture(out, key)
+        if tape is not None:
+            self._tapes[key] = tape
+        return out
+
+    def _graph(self, key, U, run):
+        """:meth:`_captured` on a GPU backend: the first run allocates what the cycle uses, the
+        second is captured as a graph (the propagator's ``begin_graph`` / ``end_graph``: CUDA
+        stream capture), later ones launch it. The graph reads the stores, the layers and the
+        norm buffers at fixed addresses, so they key it (``reuse_states``: U stays put)."""
+        key = key + (U.shape, U.dtype.str, _address(U), self.prop.graph_key())
+        entry = self._graphs.get(key)
+        if entry is None:
+            if len(self._graphs) >= 16:  # addresses that keep changing: no graph pays off
+                self._graphs.clear()
+            self._graphs[key] = "warm"
+            return run()
+        if entry == "warm":
+            self.prop.begin_graph()
+            try:
+                out = run()
+            finally:
+                graph = self.prop.end_graph()
+            entry = self._graphs[key] = (graph, out)
+        graph, out = entry
+        t0 = time.perf_counter()
+        graph.launch()
+        self._step_seconds += time.perf_counter() - t0
+        return out
+
     def _engine_for(self, u0):
         """The stacked engine for a ``stacked`` propagator and states of its array module, else
         the list engine (built once each)."""
@@ -601,17 +664,24 @@ class MGRITSolver:
         eng = self._engine_for(u0)
         L0 = self.levels[0]
         U = self._level0_store(eng, L0, u0)
-        for c in range(-(-L0.a // o.cf) * o.cf, L0.b, o.cf):
-            if c == 0:
+        c_first = -(-L0.a // o.cf) * o.cf
+        if eng.stacked and initial_guess is None:  # the C-points' zero guess in one assignment
+            if c_first < L0.b:
+                U[c_first - L0.a + 1:L0.b - L0.a + 1:o.cf] = 0
+            if c_first == 0:
                 eng.set(U, 1, u0, copy=False)
-            elif initial_guess is not None:
-                guess = initial_guess(c)
-                self._check_state(guess, lambda: f"initial_guess({c}) returned")
-                eng.set(U, c - L0.a + 1, guess, copy=False)
-            elif eng.stacked:
-                U[c - L0.a + 1] = 0
-            else:
-                U[c - L0.a + 1] = u0 * 0
+        else:
+            for c in range(c_first, L0.b, o.cf):
+                if c == 0:
+                    eng.set(U, 1, u0, copy=False)
+                elif initial_guess is not None:
+                    guess = initial_guess(c)
+                    self._check_state(guess, lambda: f"initial_guess({c}) returned")
+                    eng.set(U, c - L0.a + 1, guess, copy=False)
+                elif eng.stacked:
+                    U[c - L0.a + 1] = 0
+                else:
+                    U[c - L0.a + 1] = u0 * 0
         result = MGRITResult(tol=float(o.tol))
         if len(self.sizes) == 1:
             self._update(0, U, None, lambda j: True, "coarsest")
@@ -619,7 +689,8 @@ class MGRITSolver:
         else:
             for k in range(o.max_iter):
                 skip = o.skip_downcycle and k == 0
-                r2 = self._cycle(0, U, None, o.cycle, skip)
+                r2 = self._captured(("cycle", skip), U,
+                                    lambda: self._cycle(0, U, None, o.cycle, skip))
                 if not skip:
                     r = math.sqrt(self.halo.allreduce_sum(r2))
                     if not math.isfinite(r):
@@ -629,7 +700,7 @@ class MGRITSolver:
                 if not skip and result.residuals[-1] < o.tol:
                     result.converged = True
                     break
-            self._f_relax(U, None, 0, "final")
+            self._captured(("final",), U, lambda: self._f_relax(U, None, 0, "final"))
             if not result.converged and o.tol > 0 and o.warn_not_converged and \
                     self.halo.reduce_rank == 0:  # once per solve, not once per replica
                 warnings.warn(f"MGRIT did not reach tol={o.tol:.3g} in max_iter={o.max_iter} "
@@ -644,3 +715,9 @@ class MGRITSolver:
         result.timings = {"steps": self._step_seconds, "vector": self._vector_seconds,
                           "total": total, **self.halo.timers}
         return result
+
+
+def _address(a):
+    """The data address of a host or device array."""
+    ptr = getattr(a.data, "ptr", None)
+    return a.__array_interface__["data"][0] if ptr is None else ptr

@@ -1,0 +1,213 @@
+"""Captured cycles (mgnn.backend.tape): a cycle recorded once and replayed in one Numba call
+computes exactly what the engine's calls compute (bit for bit), replays really happen, and
+what cannot be replayed is never captured."""
+import numpy as np
+import pytest
+
+from mgnn import LayerParallel, MGRITOptions, MGRITSolver, conv_resnet, dense_resnet
+from mgnn.backend import get_backend, tape as T, vector_ops
+from mgnn.mgrit.engines import StackedStates
+from mgnn.network import AdjointPropagator, ForwardPropagator
+from tests.mgrit.test_stacked_engine import Stacked
+from tests.mgrit.test_solver import TanhResNet
+
+OPTIONS = [
+    dict(cf=4, max_levels=3, nrelax=[0, 1], tol=0.0, max_iter=2, skip_downcycle=True),
+    dict(cf=2, max_levels=4, nrelax=[1], tol=0.0, max_iter=3, cycle="F"),
+    dict(cf=3, max_levels=2, nrelax=[0], tol=1e-5, max_iter=25),
+    dict(cf=4, max_levels=3, nrelax=[2, 0], tol=0.0, max_iter=2, skip_downcycle=False),
+]
+
+
+def _model(kind, n, dtype, act="tanh"):
+    if kind == "dense":
+        return dense_resnet(6, 6, 3, n, activation=act, dtype=dtype, seed=1), (5, 6)
+    return conv_resnet(1, 2, (5, 4), 3, n, activation=act, dtype=dtype, seed=1), (3, 2, 5, 4)
+
+
+def _propagators(kind, n, dtype, act="tanh"):
+    model, shape = _model(kind, n, dtype, act)
+    bk = get_backend("numba")
+    u0 = np.random.default_rng(2).standard_normal(shape).astype(dtype)
+    U, D = LayerParallel(model, backend="numba", threads=None)._serial_states(u0, store=True)
+    return (lambda: ForwardPropagator(model, bk)), (lambda: AdjointPropagator(model, U, D, bk)), u0
+
+
+@pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: f"cf{o['cf']}-L{o['max_levels']}")
+@pytest.mark.parametrize("kind", ["dense", "conv"])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_replayed_cycles_equal_the_engine_bit_for_bit(opts, kind, dtype):
+    n = 29  # no cf divides it: ragged last intervals on every level
+    fwd, adj, u0 = _propagators(kind, n, dtype, act="tanh" if kind == "conv" else "relu")
+    o = MGRITOptions(**opts)
+    for make in (fwd, adj):
+        plain = MGRITSolver(make(), n, o, ops=vector_ops("numba"), capture=False)
+        taped = MGRITSolver(make(), n, o, ops=vector_ops("numba"))
+        for _ in range(3):
+            a, b = plain.solve(u0), taped.solve(u0)
+            assert a.residuals == b.residuals and a.iterations == b.iterations
+            for x, y in zip(a.states, b.states):
+                np.testing.assert_array_equal(x, y)
+        assert not plain._tapes
+        assert taped._tapes and all(t.replays >= 1 for t in taped._tapes.values())
+
+
+def test_the_threaded_and_serial_replays_agree():
+    fwd, adj, u0 = _propagators("dense", 40, "float64")
+    for make in (fwd, adj):
+        s = MGRITSolver(make(), 40, MGRITOptions(**OPTIONS[0]), ops=vector_ops("numba"))
+        s.solve(u0)
+        bk = get_backend("numba")
+        for tape in s._tapes.values():
+            prop = s.prop
+            W, P, d0 = ((prop.W, prop.b, 0) if isinstance(prop, ForwardPropagator)
+                        else (prop.W, *prop._stacked_derivs()))
+            out = []
+            for parallel in (False, True):
+                stores = [a.copy() for a in tape.stores]
+                norms = np.zeros(max(tape.n_norms, 1))
+                adjoint = not isinstance(prop, ForwardPropagator)
+                bk.dense_run_tape(bk.stores_list(stores), tape.rows, tape.hs, W, P, d0,
+                                  2 if adjoint else prop.kind.act, adjoint, norms,
+                                  parallel=parallel)
+                out.append((stores, norms))
+            for x, y in zip(out[0][0], out[1][0]):
+                np.testing.assert_array_equal(x, y)
+            np.testing.assert_array_equal(out[0][1], out[1][1])
+
+
+def test_residual_points_ride_on_the_chains_that_feed_them():
+    fwd, _, u0 = _propagators("dense", 32, "float64")
+    s = MGRITSolver(fwd(), 32, MGRITOptions(**OPTIONS[0]), ops=vector_ops("numba"))
+    s.solve(u0)
+    tape = s._tapes[next(k for k in s._tapes if k[:2] == ("cycle", False))]
+    rows = tape.rows
+    tails = (rows[:, T.OP] == T.CHAIN) & (rows[:, T.R] >= 0)
+    assert tails.sum() == 8 + 2  # the residuals at levels 0 (8 C-points) and 1 (2)
+    assert (rows[tails, T.MODE] == 0).all() and (rows[tails, T.NORM] >= 0).all()
+    # forward steps: the coarse FAS steps out of the injected C-points share the chains' GEMMs
+    assert ((rows[:, T.SHARE_R] >= 0) == tails).all() and not (rows[:, T.OP] == T.POINT).any()
+
+
+def test_share_first_steps_needs_an_exact_copy_and_the_same_layer():
+    def case(inject_first=1, chain_l0=-2, extra=()):
+        inject = _row(T.INJECT, U=0, R=1, G=3, FIRST=inject_first, N=4, OUT=1, LEN=3)
+        chains = [_row(T.CHAIN, U=0, FIRST=2, N=3, MODE=0, R=2, OUT=2, NORM=0, LAYER0=chain_l0,
+                       LSTEP=1, H=0),
+                  _row(T.CHAIN, U=0, FIRST=6, N=3, MODE=0, R=2, OUT=3, NORM=1, LAYER0=chain_l0,
+                       LSTEP=1, H=0)]
+        fas = [_row(T.POINT, U=1, R=2, FIRST=2, OUT=2, MODE=1, LAYER0=-8, LSTEP=4, H=1),
+               _row(T.POINT, U=1, R=2, FIRST=3, OUT=3, MODE=1, LAYER0=-8, LSTEP=4, H=1)]
+        return T.share_first_steps(_calls([inject], *[list(g) for g in extra], chains, fas))
+    rows = case()  # fine slot 1 + 4 q holds point 4 q = coarse slot 1 + q; layer 4 q
+    assert len(rows) == 3 and [r[T.SHARE_SLOT] for r in rows[1:]] == [2, 3]
+    assert [r[T.SHARE_H] for r in rows[1:]] == [1, 1]
+    assert len(case(inject_first=2)) == 5  # injected from other slots: not the chains' inputs
+    assert len(case(chain_l0=-1)) == 5  # other layers
+    written = [_row(T.CHAIN, U=0, FIRST=1, N=1, MODE=2)]  # the chain's input changed since
+    rows = case(extra=(written,))
+    assert len(rows) == 5 and sum(r[T.SHARE_R] >= 0 for r in rows) == 1
+
+
+def _row(op, **cols):
+    r = [0] * T.COLS
+    r[T.OP], r[T.RUN], r[T.G], r[T.R], r[T.OUT], r[T.NORM] = op, 1, -1, -1, -1, -1
+    r[T.SHARE_R] = -1
+    for k, v in cols.items():
+        r[getattr(T, k)] = v
+    return r
+
+
+def _calls(*groups):
+    rows = []
+    for g in groups:
+        g[0][T.RUN] = len(g)
+        rows += g
+    return rows
+
+
+def test_fuse_tails_only_where_it_computes_the_same():
+    chains = [_row(T.CHAIN, U=0, FIRST=1, N=3, MODE=2), _row(T.CHAIN, U=0, FIRST=5, N=3, MODE=2)]
+    points = [_row(T.POINT, U=0, R=1, FIRST=4, OUT=1, MODE=0, NORM=0),
+              _row(T.POINT, U=0, R=1, FIRST=8, OUT=2, MODE=0, NORM=1)]
+    fused = T.fuse_tails(_calls([list(r) for r in chains], [list(r) for r in points]))
+    assert len(fused) == 2 and fused[0][T.RUN] == 2
+    assert [(r[T.R], r[T.OUT], r[T.NORM]) for r in fused] == [(1, 1, 0), (1, 2, 1)]
+    # C-relaxation writes U itself: a later chain reads the old value, so no fusion
+    crelax = [_row(T.CHAIN, U=0, FIRST=4, N=1, MODE=2), _row(T.CHAIN, U=0, FIRST=8, N=1, MODE=2)]
+    assert len(T.fuse_tails(_calls([list(r) for r in chains], crelax))) == 4
+    # a point whose input no chain produced, an output into U, another level's layers
+    for change in (dict(FIRST=3), dict(R=0), dict(LSTEP=4)):
+        bad = [list(r) for r in points]
+        for k, v in change.items():
+            bad[1][getattr(T, k)] = v
+        assert len(T.fuse_tails(_calls([list(r) for r in chains], bad))) == 4
+
+
+def test_what_cannot_be_replayed_is_not_captured(rng):
+    u0 = rng.standard_normal(3)
+    opts = MGRITOptions(cf=2, max_levels=3, tol=0.0, max_iter=2)
+    prop = TanhResNet(rng.standard_normal((16, 3, 3)), rng.standard_normal((16, 3)), 0.1)
+    s = MGRITSolver(Stacked(prop), 16, opts)  # stacked, but no run_tape
+    s.solve(u0)
+    s.solve(u0)
+    assert s.engine.stacked and not s._tapes
+    model, _ = _model("dense", 16, "float64")
+    s = MGRITSolver(ForwardPropagator(model, get_backend("numpy")), 16, opts)  # no tape kernel
+    s.solve(rng.standard_normal((5, 6)))
+    assert s.engine.stacked and not s._tapes
+
+
+def test_a_new_layer_count_recaptures():
+    fwd, _, u0 = _propagators("dense", 24, "float64")
+    prop = fwd()
+    s = MGRITSolver(prop, 24, MGRITOptions(**OPTIONS[0]), ops=vector_ops("numba"))
+    s.solve(u0)
+    keys = set(s._tapes)
+    prop.W, prop.b = np.concatenate([prop.W, prop.W]), np.concatenate([prop.b, prop.b])
+    s.solve(u0)
+    assert keys < set(s._tapes)  # the old tapes were checked against 24 layers
+
+
+def test_stacked_states_index_like_a_list():
+    U = np.arange(6 * 2.0).reshape(6, 2)  # slots 0..5 for points 3..6 of 0..9
+    v = StackedStates(U, 3, 7, 9)
+    assert len(v) == 10 and v[2] is None and v[7] is None
+    np.testing.assert_array_equal(v[3], U[1])
+    np.testing.assert_array_equal(v[-4], U[4])
+    assert [x is None for x in v[2:5]] == [True, False, False]
+    assert sum(x is not None for x in v) == 4
+    with pytest.raises(IndexError):
+        v[10]
+
+
+@pytest.mark.parametrize("kind", ["dense", "conv"])
+def test_training_steps_with_replayed_cycles_equal_the_engine(kind, rng):
+    """LayerParallel's solvers replay their cycles from the second step on: losses and gradients
+    over several SGD steps (parameters changing in place) equal solvers that never capture."""
+    fwd = MGRITOptions(cf=2, max_levels=3, tol=0.0, max_iter=2)
+    bwd = MGRITOptions(cf=2, max_levels=3, tol=0.0, max_iter=1)
+    runs = []
+    for capture in (True, False):
+        model, shape = _model(kind, 12, "float64")
+        lp = LayerParallel(model, fwd=fwd, bwd=bwd, backend="numba", threads=None)
+        x = np.random.default_rng(3).standard_normal(shape[:1] + (6,) if kind == "dense"
+                                                     else (3, 1, 5, 4))
+        y = np.arange(x.shape[0]) % 3
+        out = []
+        for step in range(3):
+            loss, grads = lp.loss_and_grad(x, y)
+            if step == 0:
+                for s in lp._solvers.values():
+                    s.capture = capture
+            out.append((loss, {k: v.copy() for k, v in grads.items()}))
+            for k, g in grads.items():
+                model.params[k] -= 0.1 * g
+        runs.append((out, lp))
+    (taped, lp), (plain, _) = runs
+    assert all(t.replays for s in lp._solvers.values() for t in s._tapes.values())
+    assert all(s._tapes for s in lp._solvers.values())
+    for (la, ga), (lb, gb) in zip(taped, plain):
+        assert la == lb
+        for k in ga:
+            np.testing.assert_array_equal(ga[k], gb[k])
