@@ -676,6 +676,8 @@ def bench_train(rep, st, target):
     fwd = MGRITOptions(cf=cf, max_levels=3, max_iter=2, tol=0.0)
     bwd = MGRITOptions(cf=cf, max_levels=3, max_iter=1, tol=0.0)
     lps = {"mgrit": mgnn.LayerParallel(model, fwd=fwd, bwd=bwd, backend=st.backend),
+           "mgrit_nographs": mgnn.LayerParallel(model, fwd=fwd, bwd=bwd, backend=st.backend,
+                                                capture=False),
            "serial": mgnn.LayerParallel(model, backend=st.backend)}
     bk = lps["mgrit"].bk
     launcher = getattr(bk, "launcher", None)
@@ -700,8 +702,17 @@ def bench_train(rep, st, target):
     res = lps["mgrit"].stats.get("forward", {}).get("residuals", [])
     from mgnn.mgrit import level_sizes
     sizes = level_sizes(N, cf, fwd.max_levels, fwd.min_coarse)
+    # the cycles captured as CUDA graphs (the default) against the engine's launches
+    graphs = sum(len(s._graphs) for s in lps["mgrit"]._solvers.values())
+    (la, ga), (lb, gb) = (lps[k].loss_and_grad(xi, yi) for k in ("mgrit", "mgrit_nographs"))
+    st.sync()
+    diff = max([abs(float(la) - float(lb))] + [float(abs(ga[k] - gb[k]).max()) for k in ga])
+    rep.add("bench.train.graphs_equal", S, f"{tag}: MGRIT step with cycles as CUDA graphs == "
+            "without", value=diff, display=f"max abs diff {diff:.3g} ({graphs} graph keys)",
+            target="0 (the same kernels)", status="PASS" if diff == 0 else "FAIL")
     for k, label in (("mgrit", f"MGRIT cf={cf} levels {sizes}, 2 fwd / 1 adj cycles"
-                      f" (relaxation: {batched})"),
+                      f" (relaxation: {batched}; cycles as CUDA graphs where supported)"),
+                     ("mgrit_nographs", "the same MGRIT step, every cycle through the engine"),
                      ("serial", "serial layer by layer")):
         extra = f", {launches[k]} RawKernel launches" if k in launches else ""
         if notes[k] != f"{st.array_kind} inputs":

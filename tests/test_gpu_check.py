@@ -23,6 +23,7 @@ BENCH_ROWS = ("bench.dense.float32.fused_s", "bench.dense.float32.unfused_s",
               "bench.dense.float32.error", "bench.mem.copy_Bps", "bench.mem.axpy.ratio",
               "bench.mem.sq_norm.ratio", "bench.mem.residual.ratio", "bench.mem.correct.ratio",
               "bench.train.mgrit_s", "bench.train.serial_s", "bench.train.speedup",
+              "bench.train.mgrit_nographs_s", "bench.train.graphs_equal",
               "bench.train.launches")
 
 needs_emulation = pytest.mark.skipif("cuda-emulated" not in available_backends(),
