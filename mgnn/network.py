@@ -359,8 +359,9 @@ class ForwardPropagator:
         return self.bk.end_capture()
 
     def graph_key(self):
-        """The addresses a captured graph reads the layers from (a change recaptures)."""
-        return _addresses(self.W, self.b)
+        """The addresses a captured graph reads the layers from, and the backend's scratch
+        generation (a change recaptures)."""
+        return _addresses(self.W, self.b) + (getattr(self.bk, "buffer_generation", 0),)
 
     def tape_layers(self, origin, stride, level):
         """(layer0, layer step, h) of the stacked kernels for a store with this origin and
@@ -447,7 +448,7 @@ class AdjointPropagator:
 
     def graph_key(self):
         D, d0 = self._stacked_derivs()
-        return _addresses(self.W, D) + (d0,)
+        return _addresses(self.W, D) + (d0, getattr(self.bk, "buffer_generation", 0))
 
     def tape_layers(self, origin, stride, level):
         """(layer0, layer step, h) as :meth:`advance` passes them, for a captured cycle."""

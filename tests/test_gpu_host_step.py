@@ -116,3 +116,17 @@ def test_emulated_steps_reuse_buffers_without_aliasing(rng):
         assert abs(loss - loss0) <= 1e-10 * abs(loss0)
         np.testing.assert_allclose(g.flat, g0.flat, rtol=1e-10,
                                    atol=1e-10 * np.abs(g0.flat).max())
+
+
+def test_graphs_are_recaptured_when_the_backend_scratch_moves(rng):
+    """A graph reads the backend's norm scratch at a fixed address: a batch that grows the
+    scratch (reallocating it) makes the solver capture new graphs for the old batch size too."""
+    launcher = CountingLauncher()
+    m, xshape = _model("dense", "float32")
+    lp = mgnn.LayerParallel(m, FWD, BWD, backend=RawBackend(launcher, "counting"))
+    y = rng.integers(0, 3, 64)
+    for B in (4, 4, 4, 64, 4, 4):
+        lp.loss_and_grad(rng.standard_normal((B, 5)).astype(np.float32), y[:B])
+    keys = {k[-1][-1] for s in lp._solvers.values() for k in s._graphs}  # buffer generations
+    assert len(keys) >= 2
+    assert launcher.launches["graph"] > 0

@@ -261,6 +261,7 @@ class RawBackend:
         self.launcher, self.xp, self.name = launcher, launcher.xp, name
         #: the launcher captures launch sequences as graphs (:meth:`begin_capture`)
         self.graphs = bool(getattr(launcher, "captures", False))
+        self.buffer_generation = 0  #: counts scratch (re)allocations (graphs key on it)
         self.geometry = launcher.geometry
         self.poison_outputs = False
         self._plans, self._scratch = {}, {}
@@ -688,6 +689,7 @@ class RawBackend:
         if buf is None or (size is not None and buf.size < size):
             buf = self._scratch[name] = self._empty(() if size is None else max(size, 1),
                                                     np.float64, reuse=False)
+            self.buffer_generation += 1  # a captured graph wrote to the old one: recapture
         return buf
 
     def _stacked(self, kind, adjoint, U, G, R, P, X, d0, runs, span, out_span, layer0,

@@ -1340,9 +1340,11 @@ def _run_tape(kind, stores, ops, hs, W, P, d0, act, adjoint, norms, parallel=Non
     and b (forward) or sigma' D from layer d0 (adjoint); squared norms added into ``norms``."""
     U0 = stores[0]
     if (W.dtype != U0.dtype or P.dtype != U0.dtype or hs.dtype != U0.dtype
-            or U0.ndim != _STACKED_NDIM[kind]):
-        raise TypeError(f"{kind} tape: W {W.dtype}, P {P.dtype}, hs {hs.dtype} for "
-                        f"{U0.ndim}-d stores of {U0.dtype}")
+            or U0.ndim != _STACKED_NDIM[kind] or bool(adjoint) != (P.ndim > 2)):
+        raise TypeError(f"{kind} tape (adjoint={adjoint}): W {W.dtype}, P {P.dtype} "
+                        f"{P.shape}, hs {hs.dtype} for {U0.ndim}-d stores of {U0.dtype} (the "
+                        "steps are picked by P: b (N, c) forward, sigma' (layers, *state) "
+                        "adjoint)")
     if parallel is None:
         parallel = numba.get_num_threads() > 1
     (_tape_par if parallel else _tape)(stores, ops, hs, W, P, int(d0), int(act), bool(adjoint),

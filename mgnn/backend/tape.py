@@ -152,6 +152,8 @@ def _shared(rows, k, n, k2, n2):
     a, b = rows[k:k + n], rows[k2:k2 + n2]
     if b[0][OP] != POINT or any(r[MODE] != 1 or r[G] >= 0 for r in b):
         return None
+    if any(p[R] in (c[U], c[G]) or p[U] in (c[U], c[G]) for p in b for c in a):
+        return None  # the FAS moves before chains that would read or write its stores
     by_tail = {(r[R], r[OUT]): r for r in a if r[R] >= 0 and r[MODE] == 0}
     left, done = [], 0
     for p in b:

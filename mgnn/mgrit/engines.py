@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..backend import tape as T
+from ..backend.fas_ops import GenericOps, NumbaOps
 
 RESIDUAL, FAS, PLAIN = 0, 1, 2
 
@@ -359,6 +360,17 @@ class _Whole:
         return 0
 
 
+def _one_class(cls, names):
+    """Whether one class of ``cls``'s MRO defines all ``names`` (a subclass that overrides
+    ``advance`` of a propagator that replays tapes would not be replayed as it steps)."""
+    owners = {next((c for c in cls.__mro__ if n in c.__dict__), None) for n in names}
+    return len(owners) == 1 and None not in owners
+
+
+#: The FAS corrections a tape replays as ``u + (uc - v)`` (a user's ops object may differ).
+_REPLAYED_CORRECTIONS = (GenericOps.correct_strided, NumbaOps.correct_strided)
+
+
 class _Norm(float):
     """A squared residual norm computed while a cycle is captured: the tape's ``norms`` slot it
     is replayed into (a sum of two is a plain float, which the tape cannot replay)."""
@@ -390,9 +402,11 @@ class _Recorder:
         self.broken = None  # why this cycle cannot be replayed
 
     def _persistent(self, a):
-        """Whether ``a`` is one of the engine's stores (kept for the engine's lifetime)."""
-        for v in self.engine._scratch.values():
-            if any(x is a for x in (v if isinstance(v, tuple) else (v,))):
+        """Whether ``a`` is one of the engine's level stores (kept for the engine's lifetime;
+        the scratch buffers that grow are not)."""
+        for key, v in self.engine._scratch.items():
+            if key[0] in ("coarse", "residual") and any(
+                    x is a for x in (v if isinstance(v, tuple) else (v,))):
                 return True
         return False
 
@@ -436,16 +450,17 @@ class _Recorder:
         """The :class:`Tape`, or None if this cycle cannot be replayed."""
         if isinstance(result, _Norm):
             result = result.index
-        elif result is not None and not (result == 0.0 and not self.n_norms):
+        elif result is not None and result != 0.0:  # one rank: a plain float is a literal 0.0
             self.broken = "the cycle returned a sum of residual norms"
         if self.broken:
             return None
-        dtype = self.stores[0].dtype
+        dtype = self.stores[0].dtype  # the capture's level-0 store
         hs = np.array([h for h, _ in sorted(self.hs.items(), key=lambda kv: kv[1])],
                       dtype=dtype)
         rows = T.share_first_steps(T.fuse_tails(self.rows))
         rows = np.array(rows, dtype=np.int64).reshape(-1, T.COLS)
-        return Tape(rows, self.stores, hs, self.n_norms,
+        stores = [None] + self.stores[1:]  # item 0: the level-0 store of each replay
+        return Tape(rows, stores, hs, self.n_norms,
                     result if isinstance(result, int) else ("const", result), key)
 
 
@@ -476,7 +491,8 @@ class StackedEngine(ListEngine):
         s, prop = self.solver, self.prop
         return (self.xp is np and s.halo.size == 1 and not s._spatial
                 and bool(getattr(prop, "captures", False))
-                and all(callable(getattr(prop, m, None)) for m in ("run_tape", "tape_layers")))
+                and _one_class(type(prop), ("advance", "points", "run_tape", "tape_layers"))
+                and type(s.ops).correct_strided in _REPLAYED_CORRECTIONS)
 
     def begin_capture(self, U0):
         self._rec = _Recorder(self, U0)
@@ -492,7 +508,7 @@ class StackedEngine(ListEngine):
     def replay(self, tape, U0):
         """Run ``tape`` on the level-0 store ``U0``; the cycle's return value."""
         if tape.bound is None:
-            tape.bound = self.prop.tape_stores(tape.stores)
+            tape.bound = self.prop.tape_stores([U0] + tape.stores[1:])
         stores = tape.bound
         stores[0] = U0
         norms = np.zeros(max(tape.n_norms, 1))
@@ -564,7 +580,6 @@ class StackedEngine(ListEngine):
         ops = self.solver.ops
         fn = getattr(ops, "correct_strided", None)
         if fn is None:  # an ops object of the user's: the generic strided form
-            from ..backend.fas_ops import GenericOps
             fn = GenericOps().correct_strided
         fn(Uf, fine0, stride, Uc, V, coarse0, k, self._tmp(Uc, k))
         self.solver._vector_seconds += time.perf_counter() - t0

@@ -587,29 +587,31 @@ class MGRITSolver:
             return run()
         if not eng.can_capture():
             if (getattr(self.prop, "graphs", False) and self.reuse_states
-                    and self.halo.size == 1 and not self._spatial):
+                    and self.options.tol == 0 and self.halo.size == 1 and not self._spatial):
                 return self._graph(key, U, run)
             return run()
         key = key + (U.shape, U.dtype.str, self.prop.tape_key())
-        tape = self._tapes.get(key)
-        if tape is not None:
+        tape = self._tapes.get(key, False)
+        if tape:
             return eng.replay(tape, U)
+        if tape is None:  # captured before and found not replayable
+            return run()
         eng.begin_capture(U)
         try:
             out = run()
         except BaseException:
             eng.abandon_capture()
             raise
-        tape = eng.end_capture(out, key)
-        if tape is not None:
-            self._tapes[key] = tape
+        self._tapes[key] = eng.end_capture(out, key)  # None: not replayable (never retried)
         return out
 
     def _graph(self, key, U, run):
         """:meth:`_captured` on a GPU backend: the first run allocates what the cycle uses, the
         second is captured as a graph (the propagator's ``begin_graph`` / ``end_graph``: CUDA
         stream capture), later ones launch it. The graph reads the stores, the layers and the
-        norm buffers at fixed addresses, so they key it (``reuse_states``: U stays put)."""
+        norm buffers at fixed addresses, so they key it (``reuse_states``: U stays put); the
+        value the captured run returned (a device norm buffer the graph refills, or 0.0) is
+        returned by every launch: fixed cycles only (``tol = 0``)."""
         key = key + (U.shape, U.dtype.str, _address(U), self.prop.graph_key())
         entry = self._graphs.get(key)
         if entry is None:
@@ -621,9 +623,13 @@ class MGRITSolver:
             self.prop.begin_graph()
             try:
                 out = run()
-            finally:
-                graph = self.prop.end_graph()
-            entry = self._graphs[key] = (graph, out)
+            except BaseException:
+                try:
+                    self.prop.end_graph()  # leave stream capture; the run's error is the news
+                except Exception:  # noqa: BLE001
+                    pass
+                raise
+            entry = self._graphs[key] = (self.prop.end_graph(), out)
         graph, out = entry
         t0 = time.perf_counter()
         graph.launch()

@@ -56,7 +56,7 @@ def test_the_threaded_and_serial_replays_agree():
     fwd, adj, u0 = _propagators("dense", 40, "float64")
     for make in (fwd, adj):
         s = MGRITSolver(make(), 40, MGRITOptions(**OPTIONS[0]), ops=vector_ops("numba"))
-        s.solve(u0)
+        U0 = s.solve(u0).store[0]
         bk = get_backend("numba")
         for tape in s._tapes.values():
             prop = s.prop
@@ -64,7 +64,7 @@ def test_the_threaded_and_serial_replays_agree():
                         else (prop.W, *prop._stacked_derivs()))
             out = []
             for parallel in (False, True):
-                stores = [a.copy() for a in tape.stores]
+                stores = [a.copy() for a in [U0] + tape.stores[1:]]
                 norms = np.zeros(max(tape.n_norms, 1))
                 adjoint = not isinstance(prop, ForwardPropagator)
                 bk.dense_run_tape(bk.stores_list(stores), tape.rows, tape.hs, W, P, d0,
@@ -156,6 +156,45 @@ def test_what_cannot_be_replayed_is_not_captured(rng):
     s = MGRITSolver(ForwardPropagator(model, get_backend("numpy")), 16, opts)  # no tape kernel
     s.solve(rng.standard_normal((5, 6)))
     assert s.engine.stacked and not s._tapes
+
+
+def test_user_ops_and_overridden_steps_are_never_replayed(rng):
+    """A replay does the corrections as u + (uc - v) and the steps by the propagator's own
+    kernels: an ops object or a subclass that does them otherwise runs through the engine."""
+    from mgnn.backend.fas_ops import NumbaOps
+
+    class Damped(NumbaOps):
+        def correct_strided(self, Uf, fine0, stride, Uc, V, coarse0, k, tmp):
+            view = Uf[fine0:fine0 + (k - 1) * stride + 1:stride]
+            view += 0.5 * (Uc[coarse0:coarse0 + k] - V[coarse0:coarse0 + k])
+
+    fwd, _, u0 = _propagators("dense", 24, "float64")
+    o = MGRITOptions(cf=2, max_levels=3, tol=0.0, max_iter=3)
+    runs = [MGRITSolver(fwd(), 24, o, ops=Damped(), capture=c) for c in (False, True)]
+    for _ in range(2):
+        a, b = (s.solve(u0) for s in runs)
+        assert a.residuals == b.residuals
+    assert not runs[1]._tapes
+
+    class Shifted(ForwardPropagator):
+        def advance(self, U, G, chains, origin, stride, level):
+            super().advance(U, G, chains, origin, stride, level)
+            U[1:-1] *= 1.0  # a subclass's own work
+
+    model, _ = _model("dense", 24, "float64")
+    s = MGRITSolver(Shifted(model, get_backend("numba")), 24, o, ops=vector_ops("numba"))
+    s.solve(u0)
+    s.solve(u0)
+    assert not s._tapes
+
+
+def test_the_cascadic_f_cycle_is_captured_too():
+    fwd, _, u0 = _propagators("dense", 32, "float64")
+    o = MGRITOptions(cf=2, max_levels=4, tol=0.0, max_iter=2, cycle="F", skip_downcycle=True)
+    s = MGRITSolver(fwd(), 32, o, ops=vector_ops("numba"))
+    s.solve(u0)
+    assert sorted(k[:2] for k, t in s._tapes.items() if t) == [
+        ("cycle", False), ("cycle", True), ("final", (35, 5, 6))]
 
 
 def test_a_new_layer_count_recaptures():
