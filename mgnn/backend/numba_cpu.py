@@ -817,11 +817,17 @@ def _finish_mode(out, phi, u, g, has_g, mode):
 
 
 @njit(cache=True)
-def _dense_adj_step(lam, Wl, Dl, h, s, z, out, u, g, has_g, mode):
+def _dense_adj_z(lam, Wl, Dl, s, z):
+    """z = (sigma' * lam) W, the linear part of a dense adjoint step (s: scratch)."""
     for r in range(s.shape[0]):
         for j in range(s.shape[1]):
             s[r, j] = Dl[r, j] * lam[r, j]
     np.dot(s, Wl, z)
+
+
+@njit(cache=True)
+def _dense_adj_step(lam, Wl, Dl, h, s, z, out, u, g, has_g, mode):
+    _dense_adj_z(lam, Wl, Dl, s, z)
     dst = s if mode == 1 else out  # phi (rounded) as in _dense_fwd_step; s is free again
     for r in range(z.shape[0]):
         for j in range(z.shape[1]):
@@ -844,22 +850,38 @@ def _conv_out(x, bi, c, h, acc, out, u, g, has_g, mode, act, adjoint):
 
 
 @njit(cache=True)
-def _conv_fwd_step(x, Kl, bl, h, act, xp, acc, out, u, g, has_g, mode):
+def _conv_fwd_planes(x, Kl, bl, h, act, xp, acc, out, u, g, has_g, mode, h2, p, share):
+    """The conv step into out by mode; with ``share`` also x + h2 sigma(conv) plain into p."""
     for bi in range(x.shape[0]):
         _pad_into(x, x, bi, xp, False)
         for c in range(x.shape[1]):
             acc[:] = bl[c]
             _conv_plane(xp, Kl, c, acc)
             _conv_out(x, bi, c, h, acc, out, u, g, has_g, mode, act, False)
+            if share:
+                _conv_out(x, bi, c, h2, acc, p, p, p, False, 2, act, False)
 
 
 @njit(cache=True)
-def _conv_adj_step(lam, Kl, Dl, h, sp, acc, out, u, g, has_g, mode):
+def _conv_adj_planes(lam, Kl, Dl, h, sp, acc, out, u, g, has_g, mode, h2, p, share):
+    """The conv adjoint step into out by mode; with ``share`` also lam + h2 conv^T plain into p."""
     for bi in range(lam.shape[0]):
         _pad_into(lam, Dl, bi, sp, True)
         for c in range(lam.shape[1]):
             _conv_vjp_plane(sp, Kl, c, acc)
             _conv_out(lam, bi, c, h, acc, out, u, g, has_g, mode, 0, True)
+            if share:
+                _conv_out(lam, bi, c, h2, acc, p, p, p, False, 2, 0, True)
+
+
+@njit(cache=True)
+def _conv_fwd_step(x, Kl, bl, h, act, xp, acc, out, u, g, has_g, mode):
+    _conv_fwd_planes(x, Kl, bl, h, act, xp, acc, out, u, g, has_g, mode, h, out, False)
+
+
+@njit(cache=True)
+def _conv_adj_step(lam, Kl, Dl, h, sp, acc, out, u, g, has_g, mode):
+    _conv_adj_planes(lam, Kl, Dl, h, sp, acc, out, u, g, has_g, mode, h, out, False)
 
 
 # Shared steps (captured cycles, mgnn.backend.tape SHARE): a fine step and the coarse step out of
@@ -876,10 +898,7 @@ def _dense_fwd_shared(x, Wl, bl, h, h2, act, z, out, g, has_g, p):
 
 @njit(cache=True)
 def _dense_adj_shared(lam, Wl, Dl, h, h2, s, z, out, g, has_g, p):
-    for r in range(s.shape[0]):
-        for j in range(s.shape[1]):
-            s[r, j] = Dl[r, j] * lam[r, j]
-    np.dot(s, Wl, z)
+    _dense_adj_z(lam, Wl, Dl, s, z)
     for r in range(z.shape[0]):
         for j in range(z.shape[1]):
             out[r, j] = lam[r, j] + h * z[r, j]
@@ -889,23 +908,12 @@ def _dense_adj_shared(lam, Wl, Dl, h, h2, s, z, out, g, has_g, p):
 
 @njit(cache=True)
 def _conv_fwd_shared(x, Kl, bl, h, h2, act, xp, acc, out, g, has_g, p):
-    for bi in range(x.shape[0]):
-        _pad_into(x, x, bi, xp, False)
-        for c in range(x.shape[1]):
-            acc[:] = bl[c]
-            _conv_plane(xp, Kl, c, acc)
-            _conv_out(x, bi, c, h, acc, out, out, g, has_g, 2, act, False)
-            _conv_out(x, bi, c, h2, acc, p, p, p, False, 2, act, False)
+    _conv_fwd_planes(x, Kl, bl, h, act, xp, acc, out, out, g, has_g, 2, h2, p, True)
 
 
 @njit(cache=True)
 def _conv_adj_shared(lam, Kl, Dl, h, h2, sp, acc, out, g, has_g, p):
-    for bi in range(lam.shape[0]):
-        _pad_into(lam, Dl, bi, sp, True)
-        for c in range(lam.shape[1]):
-            _conv_vjp_plane(sp, Kl, c, acc)
-            _conv_out(lam, bi, c, h, acc, out, out, g, has_g, 2, 0, True)
-            _conv_out(lam, bi, c, h2, acc, p, p, p, False, 2, 0, True)
+    _conv_adj_planes(lam, Kl, Dl, h, sp, acc, out, out, g, has_g, 2, h2, p, True)
 
 
 # Each chain body runs one chain (first, n, o): o >= 0 writes R[o] (a point), o < 0 writes U[i].
