@@ -351,3 +351,83 @@ __global__ void bias_grad_stacked(const T *L, int l_first, int l_stride, const T
     bias_grad_body(L + (l_first + (long long)p * l_stride) * size, D + p * size,
                    gb + (long long)(layer0 + p) * C, outer, C, inner, h, scratch);
 }
+
+// ---------------------------------------------------------------------- wide layers (cuBLAS)
+// For wide layers the GEMMs go to cuBLAS (RawBackend.gemm_min_width; strided-batched, straight
+// on the stacked arrays) and these kernels do the rest: a prologue forming the GEMM's scaled
+// cotangent operand and epilogues applying bias, activation, residual and StackedOut. Problem
+// p = blockIdx.y; MGNN_ELEM threads, a grid-stride loop over one state of size B w.
+
+// S[p] = h * A[a_first + p a_stride] * Bm[b_first + p b_stride] (elementwise; strides in states,
+// either may be negative): D_l * L[i-1] of the stacked adjoint, h D[p] Lam_p of the weight grad.
+template <typename T>
+__global__ void stacked_product(const T *A, int a_first, int a_stride, const T *Bm, int b_first,
+                                int b_stride, T *S, int size, T h) {
+    const long long p = blockIdx.y;
+    const T *a = A + (a_first + p * a_stride) * size, *bm = Bm + (b_first + p * b_stride) * size;
+    T *s = S + p * size;
+    for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < size; e += gridDim.x * blockDim.x)
+        s[e] = h * (a[e] * bm[e]);
+}
+
+// Z (count, B, w) = the GEMM z_p = x_p W_l^T (cuBLAS) of the stacked forward step into slot
+// i = slot0 + p stride (x_p = U[i-1], l = layer0 + i layer_step); phi = x + h sigma(z + b_l),
+// then StackedOut (mode 0/1/2, partial as dense_stacked_forward's, one per block).
+template <typename T>
+__global__ void dense_stacked_forward_epilogue(const T *Z, const T *U, const T *G, T *R,
+                                               const T *b, int slot0, int stride, int out0,
+                                               int out_stride, int layer0, int layer_step, int B,
+                                               int w, T h, int act, int mode, double *partial,
+                                               int part0) {
+    __shared__ double scratch[MGNN_ELEM];
+    const StackedIndex s =
+        stacked_index(blockIdx.y, slot0, stride, out0, out_stride, layer0, layer_step);
+    const long long size = (long long)B * w;
+    const T *x = U + (s.i - 1) * size, *z = Z + blockIdx.y * size, *bl = b + (long long)s.l * w;
+    double acc = 0.0;
+    const StackedOut<T> out = stacked_out(s, size, U, G, R, mode, &acc);
+    for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < size; e += gridDim.x * blockDim.x) {
+        T sig, ds;
+        activate(z[e] + bl[e % w], act, sig, ds);
+        out(e, x[e] + h * sig);
+    }
+    stacked_partial<MGNN_ELEM>(acc, partial, part0, scratch);
+}
+
+// Z (count, B, w) = the GEMM c_p = S_p W_l (cuBLAS; S_p = D_l * L[i-1] from stacked_product) of
+// the stacked adjoint step into slot i: phi = L[i-1] + h c, then StackedOut as above.
+template <typename T>
+__global__ void dense_stacked_adjoint_epilogue(const T *Z, const T *L, const T *G, T *R,
+                                               int slot0, int stride, int out0, int out_stride,
+                                               int B, int w, T h, int mode, double *partial,
+                                               int part0) {
+    __shared__ double scratch[MGNN_ELEM];
+    const StackedIndex s = stacked_index(blockIdx.y, slot0, stride, out0, out_stride, 0, 0);
+    const long long size = (long long)B * w;
+    const T *gy = L + (s.i - 1) * size, *c = Z + blockIdx.y * size;
+    double acc = 0.0;
+    const StackedOut<T> out = stacked_out(s, size, L, G, R, mode, &acc);
+    for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < size; e += gridDim.x * blockDim.x)
+        out(e, gy[e] + h * c[e]);
+    stacked_partial<MGNN_ELEM>(acc, partial, part0, scratch);
+}
+
+// Z (count, B, w) = z_p = x_p W_l^T (cuBLAS), l = layer0 + p: Y[y_first + p] = [X[x_first + p] +]
+// h sigma(z + b_l) and D[d_first + p] = sigma'(z + b_l); Y or D may be null (X unread without
+// residual). The serial sweep's step (count 1) and dense_deriv_stacked's sigma'.
+template <typename T>
+__global__ void dense_bias_act(const T *Z, const T *X, int x_first, const T *b, int layer0, T *Y,
+                               int y_first, T *D, int d_first, int B, int w, T h, int act,
+                               int residual) {
+    const long long p = blockIdx.y, size = (long long)B * w;
+    const T *z = Z + p * size, *bl = b + (layer0 + p) * w;
+    const T *x = residual ? X + (x_first + p) * size : (const T *)nullptr;
+    T *y = Y ? Y + (y_first + p) * size : (T *)nullptr;
+    T *d = D ? D + (d_first + p) * size : (T *)nullptr;
+    for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < size; e += gridDim.x * blockDim.x) {
+        T sig, ds;
+        activate(z[e] + bl[e % w], act, sig, ds);
+        if (y) y[e] = (x ? x[e] : T(0)) + h * sig;
+        if (d) d[e] = ds;
+    }
+}

@@ -16,6 +16,8 @@ Sections (each check guarded: an exception becomes a FAIL row and the rest still
           process never initialises MPI before it launches mpiexec itself).
 2. tests  ``python -m pytest -q -m gpu tests`` in a subprocess; passed/failed/skipped counts.
 3. bench  a. fused dense step forward (RawKernel) vs matmul + a separate elementwise epilogue;
+          a'. a stacked relaxation wave, fused kernel vs cuBLAS + epilogue, over widths 64-1024:
+             the measured crossover for ``MGNN_GEMM_MIN_WIDTH``;
           b. Numba CUDA memory-bound kernels (axpy, sq_norm, residual, correct) as effective
              bandwidth vs a device-to-device copy;
           c. one training step: MGRIT with stacked level states vs layer-by-layer serial
@@ -563,6 +565,56 @@ def bench_dense(rep, st, dtype, target):
             status=target_status(ratio, target, st) if target else "INFO")
 
 
+def bench_gemm_crossover(rep, st):
+    """3a': the width from which a stacked dense wave is faster on cuBLAS (strided-batched GEMM
+    + mgnn's epilogue kernel) than in the fused hand-written kernel: one relaxation wave of
+    ``count`` steps (``dense_points_forward``, mode 2) at each width, both paths, float32; the
+    results must agree. Reports the measured crossover beside ``RawBackend.gemm_min_width``."""
+    import numpy as np
+    from mgnn.backend import get_backend
+    S = "bench"
+    xp, bk = st.xp, get_backend(st.backend)
+    widths, B, count = ((8, 16), 8, 3) if st.emulated else ((64, 128, 256, 512, 1024), 64, 16)
+    dt = np.dtype("float32")
+    rng = np.random.default_rng(1)
+    default, ratios = bk.gemm_min_width, {}
+    try:
+        for w in widths:
+            tag = f"stacked dense wave w={w} B={B} x{count}"
+            U = xp.asarray(rng.standard_normal((count + 1, B, w)).astype(dt))
+            W = xp.asarray((rng.standard_normal((count + 1, w, w)) / np.sqrt(w)).astype(dt))
+            b = xp.asarray((0.1 * rng.standard_normal((count + 1, w))).astype(dt))
+            R = {k: xp.zeros((count, B, w), dt) for k in ("fused", "cublas")}
+            slots, outs = np.arange(1, count + 1), np.arange(count)
+
+            def wave(path):
+                bk.gemm_min_width = w if path == "cublas" else 1 << 30
+                bk.dense_points_forward(U, None, R[path], W, b, slots, outs, 0, 1, dt.type(0.1), 0,
+                                        2)
+
+            fns = {k: (lambda k=k: wave(k)) for k in R}
+            for f in fns.values():
+                f()
+            st.sync()
+            scale = float(xp.abs(R["fused"]).max())
+            err = float(xp.abs(R["cublas"] - R["fused"]).max()) / max(scale, 1e-30)
+            rep.add(f"bench.gemm.w{w}.error", S, f"{tag}: cuBLAS path == fused", value=err,
+                    display=f"max rel. diff {err:.2e}", target="<= 1e-4",
+                    status="PASS" if err <= 1e-4 else "FAIL")
+            t = median_times(fns, st.sync, st.repeats, st.warmup, st.min_time)
+            ratios[w] = t["fused"] / t["cublas"]
+            rep.add(f"bench.gemm.w{w}.ratio", S, f"{tag}: time fused / cuBLAS + epilogue",
+                    value=ratios[w], unit="x", display=f"{fmt_seconds(t['fused'])} / "
+                    f"{fmt_seconds(t['cublas'])} = {ratios[w]:.3g}x")
+    finally:
+        bk.gemm_min_width = default
+    wins = [w for w in widths if all(ratios[v] > 1.0 for v in widths if v >= w)]
+    found = wins[0] if wins else None
+    rep.add("bench.gemm.crossover", S, "cuBLAS crossover width (gemm_min_width)",
+            value=found, display=f"measured {found if found else 'none up to ' + str(widths[-1])}"
+            f"; default {default} (set MGNN_GEMM_MIN_WIDTH)")
+
+
 def _numba_cuda(st):
     """mgnn.backend.numba_cuda, checked to launch real kernels in this mode (device kernels on a
     GPU, the CUDA simulator when emulated); threads per block set for the mode."""
@@ -742,6 +794,7 @@ def section_bench(rep, st, args):
     for id, check, fn, extra in (
             ("bench.dense.float32", "3a fused dense step float32", bench_dense, ("float32", 0.8)),
             ("bench.dense.float64", "3a fused dense step float64", bench_dense, ("float64", None)),
+            ("bench.gemm", "3a' cuBLAS crossover of stacked waves", bench_gemm_crossover, ()),
             ("bench.mem", "3b memory-bound Numba CUDA kernels", bench_memory, (0.8,)),
             ("bench.train", "3c training step MGRIT vs serial", bench_train, (3.0,))):
         guarded(rep, id, S, check, fn, rep, st, *extra)

@@ -24,7 +24,8 @@ BENCH_ROWS = ("bench.dense.float32.fused_s", "bench.dense.float32.unfused_s",
               "bench.mem.sq_norm.ratio", "bench.mem.residual.ratio", "bench.mem.correct.ratio",
               "bench.train.mgrit_s", "bench.train.serial_s", "bench.train.speedup",
               "bench.train.mgrit_nographs_s", "bench.train.graphs_equal",
-              "bench.train.launches")
+              "bench.train.launches", "bench.gemm.w8.error", "bench.gemm.w8.ratio",
+              "bench.gemm.w16.error", "bench.gemm.w16.ratio")
 
 needs_emulation = pytest.mark.skipif("cuda-emulated" not in available_backends(),
                                      reason="the cuda-emulated backend needs a C++ compiler")
@@ -64,6 +65,7 @@ def test_emulated_run_prints_the_table_and_writes_numeric_benchmarks(tmp_path):
         assert rows[rid]["section"] == "bench"
         assert rows[rid]["display"] in proc.stdout  # every row is in the printed table
     assert rows["bench.train.launches"]["value"] > 0
+    assert "default 512" in rows["bench.gemm.crossover"]["display"]
     for rid in ("tests.gpu", "cli.single", "cli.mpi2", "env.gpu"):
         assert rows[rid]["status"] == "SKIP"
     assert rows["env.versions"]["status"] == "INFO"

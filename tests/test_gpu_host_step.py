@@ -40,6 +40,32 @@ def test_second_mgrit_step_allocates_nothing_and_reads_no_pointer(kind, rng):
     assert launcher.allocations == 1
 
 
+def test_wide_layer_step_runs_gemms_and_epilogues_allocation_free(rng):
+    """Dense layers at or above gemm_min_width: each stacked launch becomes a cuBLAS GEMM
+    (counted as 'gemm') plus an epilogue kernel; the fused GEMM kernels do not run, and the
+    second step still allocates nothing and reads no pointer."""
+    launcher = CountingLauncher()
+    m, xshape = _model("dense", "float32")
+    bk = RawBackend(launcher, "counting")
+    bk.gemm_min_width = 6
+    lp = mgnn.LayerParallel(m, FWD, BWD, backend=bk)
+    x, y = rng.standard_normal(xshape).astype(np.float32), rng.integers(0, 3, xshape[0])
+    grads = m.params.zeros_like()
+    lp.loss_and_grad(x, y, out=grads)
+    launcher.allocations = launcher.pointers = 0
+    launcher.launches.clear()
+    lp.loss_and_grad(x, y, out=grads)
+    counts = launcher.launches
+    assert launcher.allocations == 0 and launcher.pointers == 0
+    for fused in ("dense_stacked_forward", "dense_stacked_adjoint", "dense_deriv_stacked",
+                  "dense_weight_grad_stacked"):
+        assert counts[fused] == 0, fused
+    epilogues = (counts["dense_stacked_forward_epilogue"] + counts["dense_stacked_adjoint_epilogue"]
+                 + counts["dense_bias_act"])
+    assert epilogues > 0 and counts["gemm"] == epilogues + 1  # + the weight gradients
+    assert counts["stacked_product"] == counts["dense_stacked_adjoint_epilogue"] + 1
+
+
 def test_bench_reports_host_time_and_counts(rng):
     results = bench_gpu_launches(n_layers=32, width=8, batch=4, repeats=1)
     graphs, mgrit, serial = results

@@ -12,6 +12,7 @@ Importing this module needs neither CuPy nor a GPU.
 """
 import contextlib
 import operator
+import os
 
 import numpy as np
 
@@ -24,7 +25,8 @@ KERNEL_FILES = {
                  "dense_vjp_input_batched", "dense_weight_grad", "dense_weight_grad_batched",
                  "bias_grad", "bias_grad_batched", "dense_stacked_forward",
                  "dense_stacked_adjoint", "dense_deriv_stacked", "dense_weight_grad_stacked",
-                 "bias_grad_stacked"),
+                 "bias_grad_stacked", "stacked_product", "dense_stacked_forward_epilogue",
+                 "dense_stacked_adjoint_epilogue", "dense_bias_act"),
     "conv.cu": ("conv_forward", "conv_forward_batched", "conv_vjp_input",
                 "conv_vjp_input_batched", "conv_kernel_grad", "conv_kernel_grad_batched",
                 "conv_stacked_forward", "conv_stacked_adjoint", "conv_deriv_stacked",
@@ -41,6 +43,44 @@ KERNEL_FILES = {
 #: 4 x 4 outputs per thread (256 threads), 256-thread reductions and elementwise blocks.
 GPU_GEOMETRY = {"BM": 64, "BN": 64, "BK": 16, "TM": 4, "TN": 4, "REDUCE": 256, "ELEM": 256,
                 "MAX_GRID": 65535}
+
+#: Dense layers at least this wide run their stacked and serial-sweep GEMMs through the
+#: launcher's ``gemm`` (CuPy's strided-batched matmul, i.e. cuBLAS) and mgnn's epilogue kernels;
+#: narrower ones through the fused hand-written kernels. ``$MGNN_GEMM_MIN_WIDTH`` or
+#: :attr:`RawBackend.gemm_min_width` overrides it; ``scripts/gpu_check.py`` measures the
+#: crossover on a GPU (this default is a guess until it has run on one).
+GEMM_MIN_WIDTH = 512
+GEMM_MIN_WIDTH_ENV = "MGNN_GEMM_MIN_WIDTH"
+
+
+def gemm_min_width_default():
+    """:data:`GEMM_MIN_WIDTH`, or ``$MGNN_GEMM_MIN_WIDTH`` (a positive integer) where set."""
+    raw = os.environ.get(GEMM_MIN_WIDTH_ENV, "").strip()
+    if not raw:
+        return GEMM_MIN_WIDTH
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{GEMM_MIN_WIDTH_ENV}={raw!r}: expected a positive integer width")
+    return value
+
+
+def batched_gemm(xp, A, B, C, trans_a=False, trans_b=False):
+    """C[p] = op(A[p]) op(B[p]) for stacks A, B, C of row-major matrices (views; each matrix
+    C-contiguous, any batch stride), op = transpose where asked; ``xp.matmul`` with ``out``
+    (cuBLAS strided-batched GEMM on CuPy)."""
+    xp.matmul(A.transpose(0, 2, 1) if trans_a else A, B.transpose(0, 2, 1) if trans_b else B,
+              out=C)
+
+
+def state_run(X, first, step, count):
+    """The view X[first + p step], p < count (``step`` may be negative; ``count`` >= 1)."""
+    if count == 1:
+        return X[first:first + 1]
+    stop = first + (count - 1) * step + (1 if step > 0 else -1)
+    return X[first:(stop if stop >= 0 else None):step]
 
 
 def module_source(fname):
@@ -118,6 +158,11 @@ class CupyLauncher:
     def synchronize(self):
         """Wait for the current stream."""
         self.xp.cuda.get_current_stream().synchronize()
+
+    def gemm(self, A, B, C, trans_a=False, trans_b=False):
+        """C[p] = op(A[p]) op(B[p]) by cuBLAS (:func:`batched_gemm`) on the current stream."""
+        self.launches += 1
+        batched_gemm(self.xp, A, B, C, trans_a, trans_b)
 
     def begin_capture(self):
         """Capture what follows (launches and CuPy work) into a CUDA graph, on a private
@@ -264,6 +309,8 @@ class RawBackend:
         self.buffer_generation = 0  #: counts scratch (re)allocations (graphs key on it)
         self.geometry = launcher.geometry
         self.poison_outputs = False
+        #: dense layers this wide or wider use the launcher's cuBLAS GEMM (:data:`GEMM_MIN_WIDTH`)
+        self.gemm_min_width = gemm_min_width_default()
         self._plans, self._scratch = {}, {}
         self._ws_counts, self._ws_buffers = None, {}
 
@@ -404,15 +451,42 @@ class RawBackend:
         """Layer after layer, one launch per layer (the GPU's serial baseline); see numpy_ref."""
         N, (B, w) = W.shape[0], U.shape[1:]
         hh = self._h(h, U.dtype)
+        if self.wide(w):  # per layer: cuBLAS GEMM, then bias + activation + residual
+            Z = self._work("gemm_z", (1, B, w), U.dtype)
+            for n in range(N):
+                self.launcher.gemm(U[n:n + 1], W[n:n + 1], Z, trans_b=True)
+                self._elementwise("dense_bias_act", B * w, U.dtype, Z, U, n, b, n, U, n + 1,
+                                  D if D.shape[0] else None, n, B, w, hh, act, 1)
+            return
         for n in range(N):
             self._gemm("dense_forward", B, w, 1, U.dtype, U[n], W[n], b[n], U[n + 1],
                        D[n] if D.shape[0] else None, B, w, w, hh, act, 1)
 
     def dense_sweep_backward(self, U, D, W, h, lam, gW, gb):
         """Adjoint of :meth:`dense_sweep_forward`; returns lam_0, fills gW and gb."""
+        if self.wide(lam.shape[1]):
+            return self._wide_sweep_backward(U, D, W, h, lam, gW, gb)
         for n in range(W.shape[0] - 1, -1, -1):
             self.dense_vjp_params(lam, D[n], U[n], h, out=(gW[n], gb[n]))
             lam = self.dense_vjp_input(lam, D[n], W[n], h, True)
+        return lam
+
+    def _wide_sweep_backward(self, U, D, W, h, lam, gW, gb):
+        """:meth:`dense_sweep_backward` through cuBLAS: per layer S = h D_n * lam, gW[n] = S^T
+        U[n] and Z = S W_n (two GEMMs), gb[n] (the bias kernel), lam <- lam + Z (epilogue)."""
+        (B, w), dt = lam.shape, lam.dtype
+        hh, one = self._h(h, dt), self._h(1.0, dt)
+        S, Z = self._work("gemm_s", (1, B, w), dt), self._work("gemm_z", (1, B, w), dt)
+        for n in range(W.shape[0] - 1, -1, -1):
+            self._elementwise("stacked_product", B * w, dt, lam, 0, 0, D, n, 0, S, B * w, hh)
+            self.launcher.gemm(S, U[n:n + 1], gW[n:n + 1], trans_a=True)
+            self._launch("bias_grad", dt, (w, 1, 1), (self.geometry["REDUCE"], 1, 1), lam, D[n],
+                         gb[n], B, w, 1, hh)
+            self.launcher.gemm(S, W[n:n + 1], Z)
+            out = self._empty((B, w), dt)
+            self._elementwise("dense_stacked_adjoint_epilogue", B * w, dt, Z, lam, None, out, 1,
+                              0, 0, 0, B, w, one, 2, None, 0)
+            lam = out
         return lam
 
     def dense_forward_batched(self, xs, W, b, layers, h, act, store_deriv, gs=None):
@@ -692,6 +766,22 @@ class RawBackend:
             self.buffer_generation += 1  # a captured graph wrote to the old one: recapture
         return buf
 
+    def _work(self, name, shape, dtype):
+        """A cached scratch stack of ``shape`` and ``dtype`` (a view of a grown buffer)."""
+        dtype = np.dtype(dtype)
+        size = int(np.prod(shape))
+        key = (name, dtype.str)
+        buf = self._scratch.get(key)
+        if buf is None or buf.size < size:
+            buf = self._scratch[key] = self._empty(max(size, 1), dtype, reuse=False)
+            self.buffer_generation += 1
+        return buf[:size].reshape(shape)
+
+    def wide(self, w):
+        """Dense layers of width ``w`` take the cuBLAS path (the launcher has ``gemm`` and
+        ``w >= gemm_min_width``)."""
+        return w >= self.gemm_min_width and callable(getattr(self.launcher, "gemm", None))
+
     def _stacked(self, kind, adjoint, U, G, R, P, X, d0, runs, span, out_span, layer0,
                  layer_step, h, act, mode, norm_out=None):
         """Check the arguments, then launch ``runs`` [(slot0, stride, out0, out_stride, count)]
@@ -744,7 +834,8 @@ class RawBackend:
         elif (U if U.base is None else U.base) is (R if R.base is None else R.base):
             raise ValueError("R shares memory with U (the points kernels only read U)")
         g = self.geometry
-        if kind == "dense":  # blocks per problem: GEMM tiles, or the elementwise grid
+        wide = kind == "dense" and self.wide(state[1])
+        if kind == "dense" and not wide:  # blocks per problem: GEMM tiles, or elementwise
             per_problem = _cdiv(state[1], g["BN"]) * _cdiv(state[0], g["BM"])
         else:
             per_problem = max(1, min(_cdiv(int(np.prod(state)), g["ELEM"]), g["MAX_GRID"]))
@@ -757,7 +848,10 @@ class RawBackend:
         for slot0, stride, out0, out_stride, count in runs:
             args = (head + (slot0, stride, out0, out_stride, layer0, layer_step, *state) + tail
                     + (partial, part))
-            if kind == "dense":
+            if wide:
+                self._wide_run(adjoint, U, G, R, P, X, d0, (slot0, stride, out0, out_stride,
+                               count), layer0, layer_step, h, act, mode, partial, part)
+            elif kind == "dense":
                 self._gemm(name, state[0], state[1], count, dt, *args)
             else:
                 self._launch(name, dt, (per_problem, count, 1), (g["ELEM"], 1, 1), *args)
@@ -766,6 +860,31 @@ class RawBackend:
             return 0.0
         self._launch("sum_partials", dt, (1, 1, 1), (g["REDUCE"], 1, 1), partial, out, part)
         return out if self.launcher.on_device else float(out)
+
+    def _wide_run(self, adjoint, U, G, R, P, X, d0, run, layer0, layer_step, h, act, mode,
+                  partial, part):
+        """One run of a stacked dense launch through cuBLAS: the GEMM of every problem into a
+        scratch stack Z, then the epilogue kernel (the adjoint first forms D_l * L[i-1])."""
+        slot0, stride, out0, out_stride, count = run
+        B, w = U.shape[1:]
+        dt = U.dtype
+        Z = self._work("gemm_z", (count, B, w), dt)
+        weights = state_run(P, layer0 + slot0 * layer_step, stride * layer_step, count)
+        if adjoint:
+            S = self._work("gemm_s", (count, B, w), dt)
+            self._elementwise("stacked_product", B * w, dt, U, slot0 - 1, stride, X,
+                              layer0 + slot0 * layer_step - d0, stride * layer_step, S, B * w,
+                              self._h(1.0, dt), count=count)
+            self.launcher.gemm(S, weights, Z)
+            self._elementwise("dense_stacked_adjoint_epilogue", B * w, dt, Z, U, G, R, slot0,
+                              stride, out0, out_stride, B, w, self._h(h, dt), mode, partial,
+                              part, count=count)
+        else:
+            self.launcher.gemm(state_run(U, slot0 - 1, stride, count), weights, Z, trans_b=True)
+            self._elementwise("dense_stacked_forward_epilogue", B * w, dt, Z, U, G, R, X, slot0,
+                              stride, out0, out_stride, layer0, layer_step, B, w,
+                              self._h(h, dt), operator.index(act), mode, partial, part,
+                              count=count)
 
     def _chains(self, kind, adjoint, U, G, P, X, d0, chains, layer0, layer_step, h, act):
         launches, span = self._plan("chains", _host_index(chains, "chains", 2))
@@ -851,7 +970,15 @@ class RawBackend:
         """D[p] = sigma'(U[first + p] W_l^T + b_l), l = layer0 + p, p < count: one launch, no
         pointer arrays (contract: :data:`mgnn.backend.STACKED_GRAD_KERNELS`)."""
         count = self._count(check_stacked_grads("dense", U, first, count, W, layer0, D, b))
-        if count:
+        if count and self.wide(U.shape[2]):
+            B, w = U.shape[1:]
+            Z = self._work("gemm_z", (count, B, w), U.dtype)
+            self.launcher.gemm(U[first:first + count], W[layer0:layer0 + count], Z,
+                               trans_b=True)
+            self._elementwise("dense_bias_act", B * w, U.dtype, Z, None, 0, b, layer0, None, 0,
+                              D, 0, B, w, self._h(1.0, U.dtype), operator.index(act), 0,
+                              count=count)
+        elif count:
             B, w = U.shape[1:]
             self._gemm("dense_deriv_stacked", B, w, count, U.dtype, U, first, W, b, layer0, D,
                        B, w, operator.index(act))
@@ -865,8 +992,15 @@ class RawBackend:
         if count:
             B, w = U.shape[1:]
             hh, args = self._h(h, U.dtype), (L, l_first, l_stride, D)
-            self._gemm("dense_weight_grad_stacked", w, w, count, U.dtype, *args, U, u_first,
-                       layer0, gW, B, w, hh)
+            if self.wide(w):  # gW[l] = (h D_p * Lam_p)^T U[u_first + p] by cuBLAS
+                S = self._work("gemm_s", (count, B, w), U.dtype)
+                self._elementwise("stacked_product", B * w, U.dtype, L, l_first, l_stride, D, 0,
+                                  1, S, B * w, hh, count=count)
+                self.launcher.gemm(S, U[u_first:u_first + count], gW[layer0:layer0 + count],
+                                   trans_a=True)
+            else:
+                self._gemm("dense_weight_grad_stacked", w, w, count, U.dtype, *args, U,
+                           u_first, layer0, gW, B, w, hh)
             self._launch("bias_grad_stacked", U.dtype, (w, count, 1),
                          (self.geometry["REDUCE"], 1, 1), *args, layer0, gb, B, w, 1, hh)
 

@@ -137,5 +137,11 @@ class EmulationLauncher:
         if fn(g, b, argv) != 0:
             raise MGNNError(f"emulated kernel {name} raised on the host")
 
+    def gemm(self, A, B, C, trans_a=False, trans_b=False):
+        """C[p] = op(A[p]) op(B[p]) with NumPy's matmul (cuBLAS's stand-in on the host)."""
+        from .cupy_raw import batched_gemm
+        self.launches += 1
+        batched_gemm(np, A, B, C, trans_a, trans_b)
+
     def synchronize(self):
         """Nothing to wait for: emulated launches are synchronous."""

@@ -197,7 +197,9 @@ def test_every_kernel_runs_under_host_emulation(geometry, dtype, rng):
     bk.launcher.launch = lambda name, *a: (seen.add(name), launch(name, *a))
     B, w = (9, 10) if geometry == "emulation" else (70, 67)  # several blocks either way
     _compare(_exercise(bk, rng, np.dtype(dtype), B, w), np.dtype(dtype))
-    assert seen == ALL_KERNELS
+    bk.gemm_min_width = w  # the wide-layer path: cuBLAS stand-in GEMMs + epilogue kernels
+    _compare(_exercise(bk, rng, np.dtype(dtype), B, w), np.dtype(dtype))
+    assert seen == ALL_KERNELS  # the epilogue kernels ran: the second pass took the wide path
 
 
 def test_poisoned_outputs_catch_an_unwritten_element(rng):

@@ -20,9 +20,15 @@ SLOTS, OUTS = np.array([4, 8, 12, 13, 16, 2]), np.array([0, 1, 2, 3, 5, 4])
 RTOL = {np.float32: 1e-6, np.float64: 1e-12}
 
 
-@pytest.fixture(scope="module")
-def bk():
-    return get_backend("cuda-emulated")
+@pytest.fixture(scope="module", params=["fused", "cublas"])
+def bk(request):
+    """The emulated GPU backend: dense GEMMs in the fused kernels, or (every width) on the
+    launcher's cuBLAS stand-in (NumPy matmul) followed by the epilogue kernels."""
+    if request.param == "fused":
+        return get_backend("cuda-emulated")
+    wide = RawBackend(get_backend("cuda-emulated").launcher, "cuda-emulated-cublas")
+    wide.gemm_min_width = 1
+    return wide
 
 
 def _problem(kind, adjoint, dt, seed=0):
@@ -208,3 +214,23 @@ def test_bad_input_is_a_clear_error(bk):
         bk.dense_points_forward(U, G, R, P, np.zeros((17, 5)), [1, 2], [0, 1], -1, 1, 0.1, 7, 0)
     with pytest.raises(ValueError, match="shape"):
         bk.dense_points_adjoint(U, G, R[:, :2], P, X, d0, [1, 2], [0, 1], layer0, step, 0.1, 0)
+
+
+def test_gemm_min_width_from_the_environment(monkeypatch):
+    from mgnn.backend import cupy_raw
+    monkeypatch.delenv(cupy_raw.GEMM_MIN_WIDTH_ENV, raising=False)
+    assert cupy_raw.gemm_min_width_default() == cupy_raw.GEMM_MIN_WIDTH
+    monkeypatch.setenv(cupy_raw.GEMM_MIN_WIDTH_ENV, "256")
+    assert RawBackend(CountingLauncher(), "counting").gemm_min_width == 256
+    for bad in ("0", "-3", "wide"):
+        monkeypatch.setenv(cupy_raw.GEMM_MIN_WIDTH_ENV, bad)
+        with pytest.raises(ValueError, match=f"MGNN_GEMM_MIN_WIDTH={bad!r}"):
+            cupy_raw.gemm_min_width_default()
+
+
+def test_state_run_views_every_stride():
+    from mgnn.backend.cupy_raw import state_run
+    X = np.arange(10)
+    for first, step, count in ((3, 2, 3), (8, -3, 3), (2, -1, 3), (5, 4, 1), (0, 1, 10)):
+        assert state_run(X, first, step, count).tolist() == [first + p * step
+                                                             for p in range(count)]

@@ -31,13 +31,23 @@ def _close(got, want, dt, exact):
         np.testing.assert_allclose(got, want, rtol=tol, atol=tol * float(np.abs(want).max()))
 
 
-@pytest.mark.parametrize("name", ["numpy", "numba", "cuda-emulated"])
+def _backend(name):
+    """``name``, or 'cuda-emulated-cublas': the emulated GPU backend with every dense GEMM on the
+    launcher's cuBLAS stand-in (NumPy matmul) and the epilogue kernels."""
+    if name != "cuda-emulated-cublas":
+        return get_backend(name)
+    bk = RawBackend(get_backend("cuda-emulated").launcher, name)
+    bk.gemm_min_width = 1
+    return bk
+
+
+@pytest.mark.parametrize("name", ["numpy", "numba", "cuda-emulated", "cuda-emulated-cublas"])
 @pytest.mark.parametrize("kind", ["dense", "conv"])
 @pytest.mark.parametrize("dt", [np.float32, np.float64])
 @pytest.mark.parametrize("l_stride", [-1, 1])
 def test_stacked_grads_equal_the_single_kernels(name, kind, dt, l_stride):
-    bk = get_backend(name)
-    exact = name != "cuda-emulated"  # the loops / njit calls run the single kernels' code
+    bk = _backend(name)
+    exact = not name.startswith("cuda-emulated")  # loops / njit calls run the single kernels
     U, L, W, b = _problem(kind, dt)
     first, count, layer0, act, h = 2, 4, 1, 0 if kind == "dense" else 1, dt(0.3)
     D = np.full((count + 1,) + U.shape[1:], 7.0, dt)  # a spare row: must stay untouched

@@ -79,6 +79,28 @@ def test_layer_parallel_on_the_device_equals_numba(kind, inputs, rng):
     assert isinstance(pred, cupy.ndarray)
 
 
+def test_wide_layer_path_through_cupy_matmul_equals_numba(rng):
+    """Every dense GEMM of the step on CuPy's strided-batched matmul (cuBLAS on a GPU; here the
+    fake's) plus mgnn's epilogue kernels (gemm_min_width 1): the numba step's loss and
+    gradients, with the launcher's GEMMs counted."""
+    x, y = _data("dense", rng)
+    loss0, g0 = mgnn.LayerParallel(_model("dense"), FWD, BWD, backend="numba").loss_and_grad(x, y)
+    bk = RawBackend(CupyLauncher(EMULATION_GEOMETRY), "cuda")
+    bk.gemm_min_width = 1
+    calls = []
+    matmul = cupy.matmul
+    cupy.matmul = lambda *a, **k: (calls.append(k["out"].shape), matmul(*a, **k))[1]
+    try:
+        loss, g = mgnn.LayerParallel(_model("dense"), FWD, BWD, backend=bk).loss_and_grad(x, y)
+    finally:
+        cupy.matmul = matmul
+    assert calls and all(len(shape) == 3 for shape in calls)
+    assert abs(loss - loss0) <= 1e-10 * abs(loss0)
+    for k in g0:
+        np.testing.assert_allclose(to_host(g[k]), g0[k], rtol=1e-10,
+                                   atol=1e-10 * np.abs(g0[k]).max(), err_msg=k)
+
+
 def test_bad_device_input_is_a_clear_error(rng):
     lp = mgnn.LayerParallel(_model("dense"), FWD, BWD, backend="cuda")
     x, y = _data("dense", rng)
