@@ -62,6 +62,8 @@ def fake(monkeypatch):
     monkeypatch.setitem(sys.modules, "mpi4py", types.SimpleNamespace(
         MPI=types.SimpleNamespace(COMM_TYPE_SHARED="shared")))
 
+    monkeypatch.setattr(th, "_LAST_SHARE", {})
+
     def make(masks):
         monkeypatch.setattr(th, "affinity", lambda: set(masks[0]))
         return FakeComm(masks)
@@ -142,6 +144,25 @@ def test_single_process_gets_its_cores_for_numba_and_one_blas_thread(fake):
         assert _blas_now() == [1] and info["per_rank"] == 4
         assert info["numba"] == _numba_expected(4)
         assert info["blas_source"].startswith("auto: 1")
+
+
+def test_single_process_inside_an_mpi_job_does_not_claim_the_node(fake, monkeypatch):
+    """One rank of an ``mpiexec -n 2`` job building a single-process model (evaluation, a P = 1
+    study point): half the cores, from the last collective call of the process, else from the
+    launcher's node-local rank count; a launcher that bound the ranks to disjoint cores (affinity
+    x ranks <= CPUs) leaves the rank its cores."""
+    monkeypatch.setattr(th.os, "cpu_count", lambda: 4)
+    fake([range(4)])
+    assert th.configure_threads(None, "auto", environ={"MPI_LOCALNRANKS": "2"})["per_rank"] == 2
+    info = th.configure_threads(None, "auto", environ={"OMPI_COMM_WORLD_LOCAL_SIZE": "4"})
+    assert (info["local_ranks"], info["sharing"], info["per_rank"]) == (4, 4, 1)
+    assert th.configure_threads(None, "auto", environ={"MPI_LOCALNRANKS": "1"})["per_rank"] == 4
+    fake([range(2)])  # bound: 2 cores x 2 ranks <= 4 CPUs
+    assert th.configure_threads(None, "auto", environ={"MPI_LOCALNRANKS": "2"})["per_rank"] == 2
+    comm = fake([range(4)] * 2)
+    th.configure_threads(comm, "auto", environ={})  # the job's communicator: 2 ranks share
+    info = th.configure_threads(None, "auto", environ={})  # then a single-process model
+    assert (info["local_ranks"], info["sharing"], info["per_rank"]) == (2, 2, 2)
 
 
 @pytest.mark.parametrize("bad, exc", [("many", TypeError), (0, ValueError), (2.0, TypeError),
