@@ -11,7 +11,8 @@ import time
 import numpy as np
 
 from .backend import check_dtype, get_backend, grid_transfer, is_device_array, to_host, vector_ops
-from .comm import Layout, abort_on_error, agree_on_errors, configure_threads, wait_request
+from .comm import (Layout, abort_on_error, agree_on_errors, apply_threads, configure_threads,
+                   wait_request)
 from .comm.halo import tag
 from .mgrit import DivergenceError, MGRITOptions, MGRITSolver, hierarchy
 from .mgrit.partition import Partition, balanced_starts, block_work, layer_work
@@ -972,7 +973,10 @@ class LayerParallel:
 
     def _validated(self, x, y=None, out=None):
         """Checked (x, y) (and the gradient buffer ``out`` if given); in a distributed run every
-        rank raises if any rank's input is bad (one collective, whatever each rank passed)."""
+        rank raises if any rank's input is bad (one collective, whatever each rank passed). Also
+        puts this model's thread counts back (another model of the process may have changed
+        them: they are process-wide)."""
+        apply_threads(self.threads)
         err = None
         try:
             if out is not None:

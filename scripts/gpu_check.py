@@ -601,6 +601,20 @@ def bench_gemm_crossover(rep, st):
             rep.add(f"bench.gemm.w{w}.error", S, f"{tag}: cuBLAS path == fused", value=err,
                     display=f"max rel. diff {err:.2e}", target="<= 1e-4",
                     status="PASS" if err <= 1e-4 else "FAIL")
+            # the adjoint walks the layers backwards (negative batch stride) through sigma'
+            D = xp.asarray(rng.uniform(0, 1, (count + 1, B, w)).astype(dt))
+            RA = {}
+            for path in ("fused", "cublas"):
+                bk.gemm_min_width = w if path == "cublas" else 1 << 30
+                RA[path] = xp.zeros((count, B, w), dt)
+                bk.dense_points_adjoint(U, None, RA[path], W, D, 0, slots, outs, count, -1,
+                                        dt.type(0.1), 2)
+            st.sync()
+            scale = float(xp.abs(RA["fused"]).max())
+            err = float(xp.abs(RA["cublas"] - RA["fused"]).max()) / max(scale, 1e-30)
+            rep.add(f"bench.gemm.w{w}.adjoint_error", S, f"{tag}: adjoint (layers backwards) "
+                    "cuBLAS path == fused", value=err, display=f"max rel. diff {err:.2e}",
+                    target="<= 1e-4", status="PASS" if err <= 1e-4 else "FAIL")
             t = median_times(fns, st.sync, st.repeats, st.warmup, st.min_time)
             ratios[w] = t["fused"] / t["cublas"]
             rep.add(f"bench.gemm.w{w}.ratio", S, f"{tag}: time fused / cuBLAS + epilogue",

@@ -69,16 +69,58 @@ def gemm_min_width_default():
 
 def batched_gemm(xp, A, B, C, trans_a=False, trans_b=False):
     """C[p] = op(A[p]) op(B[p]) for stacks A, B, C of row-major matrices (views; each matrix
-    C-contiguous, any batch stride), op = transpose where asked; ``xp.matmul`` with ``out``
-    (cuBLAS strided-batched GEMM on CuPy)."""
+    C-contiguous, any batch stride), op = transpose where asked, by ``xp.matmul`` with ``out``
+    (the host's stand-in for cuBLAS; on CuPy it copies non-contiguous operands: see
+    :func:`cublas_gemm`)."""
     xp.matmul(A.transpose(0, 2, 1) if trans_a else A, B.transpose(0, 2, 1) if trans_b else B,
               out=C)
 
 
-def state_run(X, first, step, count):
-    """The view X[first + p step], p < count (``step`` may be negative; ``count`` >= 1)."""
+def _batch(X):
+    """(address, batch stride in elements) of a stack view X (count, r, c) whose matrices are
+    C-contiguous, else None."""
+    isz = X.itemsize
+    if X.strides[1:] != (X.shape[2] * isz, isz) or X.strides[0] % isz:
+        return None
+    return X.data.ptr, X.strides[0] // isz
+
+
+def cublas_gemm(A, B, C, trans_a=False, trans_b=False):
+    """:func:`batched_gemm` as one cuBLAS ``<t>gemmStridedBatched`` call on the views as they
+    are: no copy, no allocation (CuPy's matmul copies strided or transposed operands), so it
+    can sit inside a captured graph. The row-major C = op(A) op(B) is the column-major
+    C^T = op(B)^T op(A)^T. Batch strides may be 0 (one matrix for every problem) or negative
+    (layers walked backwards). Returns False (nothing done) where a matrix of A, B or C is not
+    C-contiguous or C's batch is not dense."""
+    import cupy
+    from cupy_backends.cuda.libs import cublas
+    a, b, c = _batch(A), _batch(B), _batch(C)
+    count, M, N = C.shape
+    if a is None or b is None or c is None or C.strides[0] != M * N * C.itemsize:
+        return False
+    K = A.shape[1] if trans_a else A.shape[2]
+    fn = cublas.sgemmStridedBatched if C.dtype == np.float32 else cublas.dgemmStridedBatched
+    one, zero = np.ones(1, C.dtype), np.zeros(1, C.dtype)
+    op = lambda t: cublas.CUBLAS_OP_T if t else cublas.CUBLAS_OP_N  # noqa: E731
+    handle = cupy.cuda.device.get_cublas_handle()
+    mode = cublas.getPointerMode(handle)
+    cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
+    try:
+        fn(handle, op(trans_b), op(trans_a), N, M, K, one.ctypes.data,
+           b[0], K if trans_b else N, b[1], a[0], M if trans_a else K, a[1],
+           zero.ctypes.data, c[0], N, c[1], count)
+    finally:
+        cublas.setPointerMode(handle, mode)
+    return True
+
+
+def state_run(X, first, step, count, xp=np):
+    """The view X[first + p step], p < count (``step`` may be negative or, the same state for
+    every p, zero: a broadcast view of ``xp``; ``count`` >= 1)."""
     if count == 1:
         return X[first:first + 1]
+    if step == 0:
+        return xp.broadcast_to(X[first:first + 1], (count,) + X.shape[1:])
     stop = first + (count - 1) * step + (1 if step > 0 else -1)
     return X[first:(stop if stop >= 0 else None):step]
 
@@ -160,9 +202,11 @@ class CupyLauncher:
         self.xp.cuda.get_current_stream().synchronize()
 
     def gemm(self, A, B, C, trans_a=False, trans_b=False):
-        """C[p] = op(A[p]) op(B[p]) by cuBLAS (:func:`batched_gemm`) on the current stream."""
+        """C[p] = op(A[p]) op(B[p]) by cuBLAS on the current stream (:func:`cublas_gemm`; CuPy's
+        matmul where an operand's matrices are not C-contiguous)."""
         self.launches += 1
-        batched_gemm(self.xp, A, B, C, trans_a, trans_b)
+        if not cublas_gemm(A, B, C, trans_a, trans_b):
+            batched_gemm(self.xp, A, B, C, trans_a, trans_b)
 
     def begin_capture(self):
         """Capture what follows (launches and CuPy work) into a CUDA graph, on a private
@@ -869,7 +913,7 @@ class RawBackend:
         B, w = U.shape[1:]
         dt = U.dtype
         Z = self._work("gemm_z", (count, B, w), dt)
-        weights = state_run(P, layer0 + slot0 * layer_step, stride * layer_step, count)
+        weights = state_run(P, layer0 + slot0 * layer_step, stride * layer_step, count, self.xp)
         if adjoint:
             S = self._work("gemm_s", (count, B, w), dt)
             self._elementwise("stacked_product", B * w, dt, U, slot0 - 1, stride, X,
@@ -880,7 +924,8 @@ class RawBackend:
                               stride, out0, out_stride, B, w, self._h(h, dt), mode, partial,
                               part, count=count)
         else:
-            self.launcher.gemm(state_run(U, slot0 - 1, stride, count), weights, Z, trans_b=True)
+            self.launcher.gemm(state_run(U, slot0 - 1, stride, count, self.xp), weights, Z,
+                               trans_b=True)
             self._elementwise("dense_stacked_forward_epilogue", B * w, dt, Z, U, G, R, X, slot0,
                               stride, out0, out_stride, layer0, layer_step, B, w,
                               self._h(h, dt), operator.index(act), mode, partial, part,

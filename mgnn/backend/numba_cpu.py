@@ -786,13 +786,24 @@ def _softmax_xent(logits, y):
     return logits.dtype.type(total / B), g
 
 
+def _check_pool(p, H, Wd):
+    """The kernels' integer divisions run under NumPy's error model (no ZeroDivisionError):
+    refuse a grid that does not tile the image before they run."""
+    p = _int("p", p)
+    if p < 1 or H % p or Wd % p:
+        raise ValueError(f"avgpool: a {p} x {p} grid must tile the {H} x {Wd} image (p >= 1 "
+                         "dividing both sizes)")
+    return p
+
+
 def avgpool_forward(u, p):
     """Numba kernel; contract of :func:`mgnn.backend.numpy_ref.avgpool_forward`."""
-    return _avgpool_forward(u, p)
+    return _avgpool_forward(u, _check_pool(p, u.shape[2], u.shape[3]))
 
 
 def avgpool_vjp(g, H, Wd):
     """Numba kernel; contract of :func:`mgnn.backend.numpy_ref.avgpool_vjp`."""
+    _check_pool(g.shape[2], H, Wd)
     return _avgpool_vjp(g, H, Wd)
 
 
@@ -858,8 +869,9 @@ def _dense_out(x, z, b, h, act, out, u, g, has_g, mode):
     """out (B, w) by mode from phi = x + h sigma(z + b) (``b`` an array: a forward step, z = x
     W^T) or x + h z (``b`` None: an adjoint step, z = (sigma' lam) W): mode 0 (phi - u) [+ g],
     1 (out + u) - phi, 2 phi [+ g] (the arithmetic of :func:`_combine`). phi is rounded to the
-    dtype first (stored in z, which it overwrites), so the result equals the single-step
-    kernel followed by the FAS vector operation bit for bit; one pass per element (the +g of
+    dtype first (stored in z, which it overwrites), so the result equals Numba's single-step
+    kernel followed by the FAS vector operation bit for bit (not the NumPy route of WIDE, the
+    reference or the GPU: those round differently); one pass per element (the +g of
     mode 0 a second one: fused, that loop loses vectorisation)."""
 
 

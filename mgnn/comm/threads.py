@@ -13,7 +13,11 @@ the cores (MGRIT step 583 ms against 79 ms); Numba's threads run the intervals o
 sweep and the samples of a convolution in parallel instead.
 
 The limits are process-wide (every BLAS call of the process, not only mgnn's, sees them) and
-stay after the call. Explicit settings win: a thread variable in the environment
+stay after the call; :func:`apply_threads` puts a configuration back (LayerParallel does at the
+start of every step, so that a second model built in the same process -- a single-process
+evaluation model on one rank of an MPI job, a scaling study's serial baseline -- does not leave
+its counts to the first: a 2-rank MGRIT step ran 3.5x slower with the node's 2 Numba threads
+per rank). Explicit settings win: a thread variable in the environment
 (``OPENBLAS_NUM_THREADS``/``GOTO_NUM_THREADS``/``OMP_NUM_THREADS`` for OpenBLAS,
 ``MKL_NUM_THREADS``/``OMP_NUM_THREADS`` for MKL, ``BLIS_NUM_THREADS``/``OMP_NUM_THREADS`` for
 BLIS, ``NUMBA_NUM_THREADS`` or else ``OMP_NUM_THREADS`` for Numba) leaves that library as the
@@ -52,36 +56,12 @@ def affinity():
         return set(range(os.cpu_count() or 1))
 
 
-#: variables MPI launchers set to the number of the job's ranks on this node (MPICH's Hydra,
-#: Open MPI, MVAPICH)
-LAUNCHER_LOCAL_VARS = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE",
-                       "MV2_COMM_WORLD_LOCAL_SIZE")
-#: the node share the last collective :func:`node_share` of this process found (a later
-#: single-process call inside the same MPI job must not claim the node's cores)
-_LAST_SHARE = {}
-
-
-def node_share(comm, environ=None):
+def node_share(comm):
     """Collective over ``comm``: (node-local ranks, ranks whose CPU affinity overlaps this
-    rank's, CPUs in this rank's affinity). Ranks bound to disjoint cores do not share them.
-
-    A single process (``comm`` None or of size 1) that is one rank of a larger MPI job on this
-    node -- an evaluation model built on rank 0 of an ``mpiexec -n 2`` run, a P = 1 point of a
-    scaling study -- still shares the node with the job's other ranks: it counts the ranks the
-    last collective call of this process found overlapping its cores, else the launcher's
-    node-local rank count (``MPI_LOCALNRANKS``, ``OMPI_COMM_WORLD_LOCAL_SIZE``, ...; ranks
-    whose affinities could not all be disjoint, ``cores x ranks > CPUs``, share them). Threads
-    are process-wide, so claiming every core there would oversubscribe the node for the rest of
-    the run (a 2-rank MGRIT step 3.5x slower)."""
+    rank's, CPUs in this rank's affinity). Ranks bound to disjoint cores do not share them."""
     mine = frozenset(affinity())
     if comm is None or comm.Get_size() == 1:
-        if _LAST_SHARE:
-            return _LAST_SHARE["local"], _LAST_SHARE["sharing"], len(mine)
-        _, launched = _env_int(os.environ if environ is None else environ,
-                               LAUNCHER_LOCAL_VARS)
-        if launched and launched > 1 and len(mine) * launched > (os.cpu_count() or 1):
-            return launched, launched, len(mine)
-        return (launched or 1), 1, len(mine)
+        return 1, 1, len(mine)
     from mpi4py import MPI
     local = comm.Split_type(MPI.COMM_TYPE_SHARED)
     try:
@@ -90,7 +70,6 @@ def node_share(comm, environ=None):
         local.Free()
     from collections import Counter
     overlapping = sum(n for m, n in Counter(masks).items() if m & mine)
-    _LAST_SHARE.update(local=len(masks), sharing=overlapping or 1)
     return len(masks), overlapping or 1, len(mine)
 
 
@@ -181,7 +160,7 @@ def configure_threads(comm=None, threads="auto", environ=None):
         err = exc
     distributed = comm is not None and comm.Get_size() > 1
     agree_on_errors(comm if distributed else None, err)
-    local, sharing, cores = node_share(comm if distributed else None, environ)
+    local, sharing, cores = node_share(comm if distributed else None)
     info = {"per_rank": None, "local_ranks": local, "sharing": sharing, "cores": cores}
     if threads is None:
         why = "unchanged, threads=None"
@@ -196,16 +175,43 @@ def configure_threads(comm=None, threads="auto", environ=None):
     else:
         n, why, environ = threads, f"threads={threads}", {}
         n_blas, why_blas = n, why
-    blas, blas_why = [], set()
+    blas, blas_why, paths = [], set(), []
+    _APPLIED.pop("blas", None)  # set below, library by library
     for ctl in _blas_controllers(True):
         var, _ = _env_int(environ, BLAS_VARS.get(ctl.internal_api, ("OMP_NUM_THREADS",)))
         if var is None:
             ctl.set_num_threads(n_blas)
         blas_why.add(why_blas if var is None else f"{var}={environ[var]} ({ctl.internal_api})")
         blas.append(ctl.num_threads)
+        paths.append((ctl.filepath, ctl.num_threads))
     numba, numba_why = _numba(n, why, environ)
-    return dict(info, blas=max(blas, default=None), numba=numba, numba_source=numba_why,
-                blas_source="; ".join(sorted(blas_why)) or "no BLAS loaded")
+    out = dict(info, blas=max(blas, default=None), numba=numba, numba_source=numba_why,
+               blas_source="; ".join(sorted(blas_why)) or "no BLAS loaded",
+               blas_counts=tuple(paths))
+    _APPLIED["blas"] = out["blas_counts"]
+    return out
+
+
+_APPLIED = {}  # the BLAS counts the last configure_threads / apply_threads set
+
+
+def apply_threads(info):
+    """Set this process's thread counts back to ``info`` (what :func:`configure_threads`
+    returned): Numba's for the calling thread, and the BLAS libraries' only if another
+    configuration changed them since (a threadpoolctl call costs tens of microseconds). Nothing
+    for ``threads=None`` configurations. Cheap enough to call at every training step."""
+    if info.get("blas_source", "").startswith("unchanged"):
+        return
+    numba = sys.modules.get("numba")
+    if numba is not None and info.get("numba") and numba.get_num_threads() != info["numba"]:
+        numba.set_num_threads(info["numba"])
+    counts = info.get("blas_counts")
+    if counts and _APPLIED.get("blas") != counts:
+        wanted = dict(counts)  # library path -> count
+        for ctl in _blas_controllers(False):
+            if ctl.filepath in wanted:
+                ctl.set_num_threads(wanted[ctl.filepath])
+        _APPLIED["blas"] = counts
 
 
 def describe(info):

@@ -353,3 +353,15 @@ def test_batched_vector_ops(backend, dtype, with_g, rng):
     ops.add_batch(xs, gs, in_place=True)
     for x, u, g in zip(xs, us, gs):
         assert_close(x, ref.add(u, g), dtype, "add in place")
+
+
+@pytest.mark.parametrize("p", [0, 3, -1])
+def test_numba_avgpool_refuses_a_grid_that_does_not_tile(p):
+    """The numba kernels divide integers under NumPy's error model (no ZeroDivisionError): a
+    bad grid is refused before they run, by name."""
+    bk = get_backend("numba")
+    with pytest.raises(ValueError, match=f"avgpool: a {p} x {p} grid must tile the 4 x 4"):
+        bk.avgpool_forward(np.ones((1, 1, 4, 4)), p)
+    if p >= 0:
+        with pytest.raises(ValueError, match=f"a {p} x {p} grid must tile the 4 x 4"):
+            bk.avgpool_vjp(np.ones((1, 1, p, p)), 4, 4)

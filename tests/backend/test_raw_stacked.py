@@ -231,6 +231,24 @@ def test_gemm_min_width_from_the_environment(monkeypatch):
 def test_state_run_views_every_stride():
     from mgnn.backend.cupy_raw import state_run
     X = np.arange(10)
-    for first, step, count in ((3, 2, 3), (8, -3, 3), (2, -1, 3), (5, 4, 1), (0, 1, 10)):
+    for first, step, count in ((3, 2, 3), (8, -3, 3), (2, -1, 3), (5, 4, 1), (0, 1, 10),
+                               (5, 0, 3)):
         assert state_run(X, first, step, count).tolist() == [first + p * step
                                                              for p in range(count)]
+
+
+def test_repeated_slot_on_both_paths():
+    """A points call may read one slot twice (only out_slots must be distinct): a zero stride,
+    which the cuBLAS path takes as a broadcast view."""
+    U, G, P, X, d0, layer0, step, act = _problem("dense", False, np.float64, seed=4)
+    outs = []
+    for width in (1 << 30, 1):
+        bk = RawBackend(get_backend("cuda-emulated").launcher, "cuda-emulated")
+        bk.gemm_min_width = width
+        R = np.zeros((3,) + U.shape[1:])
+        norm = bk.dense_points_forward(U, G, R, P, X, np.array([5, 5, 5]), np.array([0, 1, 2]),
+                                       layer0, step, 0.3, act, 0)
+        outs.append((R, norm))
+    _close(outs[1][0], outs[0][0], np.float64)
+    np.testing.assert_array_equal(outs[0][0][0], outs[0][0][2])
+    assert outs[1][1] == pytest.approx(outs[0][1], rel=1e-12)

@@ -79,26 +79,53 @@ def test_layer_parallel_on_the_device_equals_numba(kind, inputs, rng):
     assert isinstance(pred, cupy.ndarray)
 
 
-def test_wide_layer_path_through_cupy_matmul_equals_numba(rng):
-    """Every dense GEMM of the step on CuPy's strided-batched matmul (cuBLAS on a GPU; here the
-    fake's) plus mgnn's epilogue kernels (gemm_min_width 1): the numba step's loss and
-    gradients, with the launcher's GEMMs counted."""
+def test_wide_layer_path_through_cublas_equals_numba(rng):
+    """Every dense GEMM of the step as one cuBLAS strided-batched call on views of the stacked
+    states (the fake cuBLAS computes cuBLAS's column-major pointer contract on host memory) plus
+    mgnn's epilogue kernels (gemm_min_width 1): the numba step's loss and gradients, with no
+    fallback to CuPy's copying matmul."""
+    from cupy_backends.cuda.libs import cublas
     x, y = _data("dense", rng)
     loss0, g0 = mgnn.LayerParallel(_model("dense"), FWD, BWD, backend="numba").loss_and_grad(x, y)
     bk = RawBackend(CupyLauncher(EMULATION_GEOMETRY), "cuda")
     bk.gemm_min_width = 1
-    calls = []
-    matmul = cupy.matmul
-    cupy.matmul = lambda *a, **k: (calls.append(k["out"].shape), matmul(*a, **k))[1]
+    matmul, used = cupy.matmul, []
+    cupy.matmul = lambda *a, **k: used.append(1)  # must not be reached
+    cublas.calls.clear()
     try:
         loss, g = mgnn.LayerParallel(_model("dense"), FWD, BWD, backend=bk).loss_and_grad(x, y)
     finally:
         cupy.matmul = matmul
-    assert calls and all(len(shape) == 3 for shape in calls)
+    assert cublas.calls and not used
     assert abs(loss - loss0) <= 1e-10 * abs(loss0)
     for k in g0:
         np.testing.assert_allclose(to_host(g[k]), g0[k], rtol=1e-10,
                                    atol=1e-10 * np.abs(g0[k]).max(), err_msg=k)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_cublas_gemm_views_strides_and_transposes(dtype, rng):
+    """cublas_gemm against NumPy on every kind of operand view the wide path passes: spaced
+    state runs, weights walked backwards (negative batch stride), one matrix broadcast to every
+    problem (stride 0), both transposes; a non-contiguous matrix is refused (False)."""
+    from mgnn.backend.cupy_raw import cublas_gemm, state_run
+    tol = 1e-5 if dtype == "float32" else 1e-12
+    X = cupy.asarray(rng.standard_normal((9, 5, 4)).astype(dtype))
+    W = cupy.asarray(rng.standard_normal((9, 4, 4)).astype(dtype))
+    host = lambda a: a.view(np.ndarray)  # noqa: E731
+    for (xf, xs), (wf, ws) in [((1, 3), (2, 3)), ((8, -2), (7, -1)), ((3, 0), (4, 0)),
+                               ((0, 1), (8, -4))]:
+        A, B = state_run(X, xf, xs, 3, cupy), state_run(W, wf, ws, 3, cupy)
+        for trans_b in (False, True):
+            C = cupy.empty((3, 5, 4), dtype)
+            assert cublas_gemm(A, B, C, trans_b=trans_b)
+            want = host(A) @ (np.swapaxes(host(B), 1, 2) if trans_b else host(B))
+            np.testing.assert_allclose(host(C), want, rtol=tol, atol=tol)
+        G = cupy.empty((3, 4, 4), dtype)
+        assert cublas_gemm(A, A, G, trans_a=True)
+        np.testing.assert_allclose(host(G), np.swapaxes(host(A), 1, 2) @ host(A), rtol=tol,
+                                   atol=tol)
+    assert not cublas_gemm(X[:3, :, :2], W[:3, :2], cupy.empty((3, 5, 2), dtype))
 
 
 def test_bad_device_input_is_a_clear_error(rng):

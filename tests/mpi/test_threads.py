@@ -62,8 +62,6 @@ def fake(monkeypatch):
     monkeypatch.setitem(sys.modules, "mpi4py", types.SimpleNamespace(
         MPI=types.SimpleNamespace(COMM_TYPE_SHARED="shared")))
 
-    monkeypatch.setattr(th, "_LAST_SHARE", {})
-
     def make(masks):
         monkeypatch.setattr(th, "affinity", lambda: set(masks[0]))
         return FakeComm(masks)
@@ -146,23 +144,24 @@ def test_single_process_gets_its_cores_for_numba_and_one_blas_thread(fake):
         assert info["blas_source"].startswith("auto: 1")
 
 
-def test_single_process_inside_an_mpi_job_does_not_claim_the_node(fake, monkeypatch):
-    """One rank of an ``mpiexec -n 2`` job building a single-process model (evaluation, a P = 1
-    study point): half the cores, from the last collective call of the process, else from the
-    launcher's node-local rank count; a launcher that bound the ranks to disjoint cores (affinity
-    x ranks <= CPUs) leaves the rank its cores."""
-    monkeypatch.setattr(th.os, "cpu_count", lambda: 4)
+def test_each_model_puts_its_thread_counts_back(fake):
+    """Thread counts are process-wide: a model built later (here with 2 threads, as a
+    single-process evaluation model or a study's serial baseline gets the node's cores) must not
+    leave its counts to an earlier one: every step re-applies the model's own."""
     fake([range(4)])
-    assert th.configure_threads(None, "auto", environ={"MPI_LOCALNRANKS": "2"})["per_rank"] == 2
-    info = th.configure_threads(None, "auto", environ={"OMPI_COMM_WORLD_LOCAL_SIZE": "4"})
-    assert (info["local_ranks"], info["sharing"], info["per_rank"]) == (4, 4, 1)
-    assert th.configure_threads(None, "auto", environ={"MPI_LOCALNRANKS": "1"})["per_rank"] == 4
-    fake([range(2)])  # bound: 2 cores x 2 ranks <= 4 CPUs
-    assert th.configure_threads(None, "auto", environ={"MPI_LOCALNRANKS": "2"})["per_rank"] == 2
-    comm = fake([range(4)] * 2)
-    th.configure_threads(comm, "auto", environ={})  # the job's communicator: 2 ranks share
-    info = th.configure_threads(None, "auto", environ={})  # then a single-process model
-    assert (info["local_ranks"], info["sharing"], info["per_rank"]) == (2, 2, 2)
+    x, y = np.ones((3, 4)), np.array([0, 1, 0])
+    first = mgnn.LayerParallel(mgnn.dense_resnet(4, 4, 2, 4), threads=1)
+    assert _blas_now() == [1]
+    second = mgnn.LayerParallel(mgnn.dense_resnet(4, 4, 2, 4), threads=2)
+    import numba
+    assert numba.get_num_threads() == _numba_expected(2) and _blas_now() == [2]
+    first.loss_and_grad(x, y)
+    assert numba.get_num_threads() == 1 and _blas_now() == [1]
+    second.predict(x)
+    assert numba.get_num_threads() == _numba_expected(2) and _blas_now() == [2]
+    untouched = mgnn.LayerParallel(mgnn.dense_resnet(4, 4, 2, 4), threads=None)
+    untouched.loss_and_grad(x, y)  # threads=None: leaves whatever is set
+    assert numba.get_num_threads() == _numba_expected(2) and _blas_now() == [2]
 
 
 @pytest.mark.parametrize("bad, exc", [("many", TypeError), (0, ValueError), (2.0, TypeError),

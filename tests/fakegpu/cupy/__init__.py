@@ -137,6 +137,11 @@ empty, zeros, ones, full, arange = (_make(np.empty), _make(np.zeros), _make(np.o
                                     _make(np.full), _make(np.arange))
 
 
+def broadcast_to(a, shape):
+    """A read-only broadcast view that stays a "device" array (stride 0 where broadcast)."""
+    return np.broadcast_to(a, shape, subok=True)
+
+
 def empty_like(a, dtype=None):
     return np.empty(a.shape, dtype=dtype or a.dtype).view(ndarray)
 
@@ -225,4 +230,5 @@ cuda = types.SimpleNamespace(
     get_current_stream=lambda: _STREAM,
     runtime=types.SimpleNamespace(getDeviceCount=lambda: 1),
     Device=_Device,
+    device=types.SimpleNamespace(get_cublas_handle=lambda: 1),  # see tests/fakegpu/cupy_backends
 )
