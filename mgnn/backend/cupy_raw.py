@@ -45,8 +45,8 @@ GPU_GEOMETRY = {"BM": 64, "BN": 64, "BK": 16, "TM": 4, "TN": 4, "REDUCE": 256, "
                 "MAX_GRID": 65535}
 
 #: Dense layers at least this wide run their stacked and serial-sweep GEMMs through the
-#: launcher's ``gemm`` (CuPy's strided-batched matmul, i.e. cuBLAS) and mgnn's epilogue kernels;
-#: narrower ones through the fused hand-written kernels. ``$MGNN_GEMM_MIN_WIDTH`` or
+#: launcher's ``gemm`` (cuBLAS strided-batched GEMMs, :func:`cublas_gemm`) and mgnn's epilogue
+#: kernels; narrower ones through the fused hand-written kernels. ``$MGNN_GEMM_MIN_WIDTH`` or
 #: :attr:`RawBackend.gemm_min_width` overrides it; ``scripts/gpu_check.py`` measures the
 #: crossover on a GPU (this default is a guess until it has run on one).
 GEMM_MIN_WIDTH = 512
@@ -353,7 +353,7 @@ class RawBackend:
         self.buffer_generation = 0  #: counts scratch (re)allocations (graphs key on it)
         self.geometry = launcher.geometry
         self.poison_outputs = False
-        #: dense layers this wide or wider use the launcher's cuBLAS GEMM (:data:`GEMM_MIN_WIDTH`)
+        #: dense layers at least this wide use the launcher's cuBLAS GEMM (:data:`GEMM_MIN_WIDTH`)
         self.gemm_min_width = gemm_min_width_default()
         self._plans, self._scratch = {}, {}
         self._ws_counts, self._ws_buffers = None, {}
@@ -801,17 +801,14 @@ class RawBackend:
         return plan
 
     def _buffer(self, name, size):
-        """A cached float64 scratch array of >= ``size`` elements (grown, never shrunk); the
-        0-d norm buffer for ``size`` None."""
-        buf = self._scratch.get(name)
-        if buf is None or (size is not None and buf.size < size):
-            buf = self._scratch[name] = self._empty(() if size is None else max(size, 1),
-                                                    np.float64, reuse=False)
-            self.buffer_generation += 1  # a captured graph wrote to the old one: recapture
-        return buf
+        """A cached float64 scratch array of ``size`` elements (:meth:`_work`); the 0-d norm
+        buffer for ``size`` None."""
+        return self._work(name, () if size is None else (max(size, 1),), np.float64)
 
     def _work(self, name, shape, dtype):
-        """A cached scratch stack of ``shape`` and ``dtype`` (a view of a grown buffer)."""
+        """A cached scratch array of ``shape`` and ``dtype``: a view of a buffer that grows and
+        never shrinks (growing it bumps :attr:`buffer_generation`: a captured graph wrote to
+        the old one, so it is recaptured)."""
         dtype = np.dtype(dtype)
         size = int(np.prod(shape))
         key = (name, dtype.str)

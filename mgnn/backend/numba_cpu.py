@@ -103,13 +103,6 @@ def _tanh64(x):
     return x if x != x else v
 
 
-@njit(cache=False)
-def _dense_tanh_probe(x, out):
-    """out = tanh(x) elementwise through :func:`_sig` (a test checks this loop vectorises)."""
-    for i in range(x.size):
-        out[i] = _sig(x[i], 0)
-
-
 def _tanh(z):
     """tanh of a float scalar inside njit: :func:`_tanh_rational` for float32, :func:`_tanh64`
     for float64 (both vectorise in element loops; libm's do not)."""
@@ -906,7 +899,7 @@ def _dense_out_impl(x, z, b, h, act, out, u, g, has_g, mode):
 
 
 @njit(cache=True)
-def _dense_fwd_step(x, Wl, bl, h, act, z, z2, out, u, g, has_g, mode):
+def _dense_fwd_step(x, Wl, bl, h, act, z, out, u, g, has_g, mode):
     np.dot(x, Wl.T, z)
     _dense_out(x, z, bl, h, act, out, u, g, has_g, mode)
 
@@ -1040,7 +1033,7 @@ def _dense_fwd_chain(U, G, has_g, R, W, P, d0, first, n, o, layer0, layer_step, 
     for i in range(first, first + n):
         l = layer0 + i * layer_step
         out = R[o] if o >= 0 else U[i]
-        _dense_fwd_step(U[i - 1], W[l], P[l], h, act, z, z2, out, U[i], G[i], has_g, mode)
+        _dense_fwd_step(U[i - 1], W[l], P[l], h, act, z, out, U[i], G[i], has_g, mode)
         total += _sumsq(out) if mode == 0 else 0.0
     return total
 
