@@ -39,6 +39,12 @@ def _train_parser(sub):
     a("--epochs", type=int, default=10)
     a("--batch-size", type=int, default=32, help="samples per step, over all data replicas")
     a("--lr", type=float, default=None, help="learning rate (default 0.05 sgd, 0.003 adam)")
+    a("--lr-schedule", choices=["constant", "cosine"], default="constant",
+      help="constant --lr, or cosine decay from --lr to --lr-min over --lr-epochs")
+    a("--lr-min", type=float, default=0.0, help="cosine: the rate at the end (default 0)")
+    a("--lr-epochs", type=float, default=None, metavar="E",
+      help="cosine: epochs the decay lasts, then --lr-min (default --epochs; give the planned "
+           "total when a run will stop and --resume)")
     a("--optimizer", choices=["sgd", "adam"], default="adam")
     a("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
     a("--weight-decay", type=float, default=0.0)
@@ -96,8 +102,8 @@ def _train_parser(sub):
     a("--checkpoint", default=None, help="write a checkpoint (.npz) here after every epoch")
     a("--resume", default=None,
       help="resume from this checkpoint: same model, data, optimizer, --lr, --batch-size, "
-           "--momentum, --weight-decay, --seed and --warm-start (checked); --epochs is the new "
-           "total; MGRIT, backend and MPI options may change")
+           "--lr-schedule, --lr-min, --lr-epochs, --momentum, --weight-decay, --seed and "
+           "--warm-start (checked); --epochs is the new total; MGRIT, backend and MPI options may change")
     a("--json", action="store_true", help="print one machine-readable summary line on stdout")
     a("--no-progress", action="store_true", help="no progress bar")
     return p
@@ -208,7 +214,12 @@ _INT_BOUNDS = {"layers": (1, None), "n_layers": (1, None), "width": (1, None),
 _FLOAT_BOUNDS = {"t_final": (0.0, False, None, False), "lr": (0.0, False, None, False),
                  "momentum": (0.0, True, 1.0, False), "weight_decay": (0.0, True, None, False),
                  "fwd_tol": (0.0, True, None, False), "bwd_tol": (0.0, True, None, False),
-                 "dropout": (0.0, True, 1.0, False), "clip_grad": (0.0, False, None, False)}
+                 "dropout": (0.0, True, 1.0, False), "clip_grad": (0.0, False, None, False),
+                 "lr_min": (0.0, True, None, False), "lr_epochs": (0.0, False, None, False)}
+
+
+def _default_lr(optimizer):
+    return 0.05 if optimizer == "sgd" else 0.003
 
 
 def _check_args(args, parser):
@@ -231,6 +242,9 @@ def _check_args(args, parser):
                 raise ValueError(f"{flag} must be a finite number {want}, got {v}")
     if getattr(args, "command", None) == "train":
         _nrelax(args)
+        lr = args.lr if args.lr is not None else _default_lr(args.optimizer)
+        if args.lr_schedule == "cosine" and args.lr_min > lr:
+            raise ValueError(f"--lr-min {args.lr_min} is above --lr {lr}")
         _spatial_levels(args)
         if args.batch_size < args.data_ranks:
             raise ValueError(f"--batch-size {args.batch_size} is smaller than --data-ranks "
@@ -309,14 +323,18 @@ def _check_memory(args, ds, layer_ranks):
 
 
 # options that change how a resumed run continues: checked against the checkpoint
-_RESUME_KEYS = ("lr", "batch_size", "momentum", "weight_decay", "data", "volume_size",
-                "limit_train", "seed", "warm_start", "sync_bn", "clip_grad")
+_RESUME_KEYS = ("lr", "lr_schedule", "lr_min", "lr_epochs", "batch_size", "momentum", "weight_decay", "data",
+                "volume_size", "limit_train", "seed", "warm_start", "sync_bn", "clip_grad")
 
 
 def _resume_meta(args, lr):
     """The checkpoint's 'meta': the options a resumed run must repeat."""
     meta = {k: getattr(args, k) for k in _RESUME_KEYS}
     meta["lr"] = lr
+    if args.lr_schedule == "constant":
+        meta.pop("lr_min"), meta.pop("lr_epochs")
+    elif args.lr_epochs is None:
+        meta["lr_epochs"] = float(args.epochs)
     if args.optimizer != "sgd":
         meta.pop("momentum")
     return meta
@@ -419,7 +437,7 @@ def cmd_train(args, comm=None):
 
     from . import (LayerParallel, conv_resnet, dense_resnet, gru_classifier, load_dataset,
                    rnn_classifier)
-    from .optim import make_optimizer
+    from .optim import make_lr_schedule, make_optimizer
     from .train import check_checkpoint_path, fit, load_checkpoint, restore, restore_warm_states
 
     out = sys.stderr if args.json else sys.stdout
@@ -430,7 +448,7 @@ def cmd_train(args, comm=None):
             print(line, file=out, flush=True)
 
     t_setup = time.perf_counter()
-    lr = args.lr if args.lr is not None else (0.05 if args.optimizer == "sgd" else 0.003)
+    lr = args.lr if args.lr is not None else _default_lr(args.optimizer)
     meta = _resume_meta(args, lr)
     layer_ranks = 1 if comm is None else comm.Get_size() // args.data_ranks
     recurrent = args.model in ("gru", "rnn")
@@ -488,6 +506,7 @@ def cmd_train(args, comm=None):
                                              interp=args.interp, restrict=args.restrict))
     # after LayerParallel: the cuda backend has moved the parameters to the GPU
     opt = make_optimizer(args.optimizer, model.params.flat, lr, args.momentum, args.weight_decay)
+    schedule = make_lr_schedule(args.lr_schedule, lr, meta.get("lr_epochs"), args.lr_min)
     rng = np.random.default_rng(args.seed)
     start, step = 0, 0
     if ckpt is not None:
@@ -497,7 +516,8 @@ def cmd_train(args, comm=None):
     log(f"mgnn train: {args.model} " + (f"over L={args.layers} time steps" if recurrent else
                                          f"ResNet, N={args.layers} layers") + f", {n_params} parameters, "
         f"{args.dtype}, backend {args.backend}; data {ds.name}: {len(ds.y_train)} train / "
-        f"{len(ds.y_test)} test; {args.optimizer} lr {lr}, batch {args.batch_size}, "
+        f"{len(ds.y_test)} test; {args.optimizer} lr {lr}"
+        + (f" (cosine to {args.lr_min} over {schedule.epochs:g} epochs)" if schedule else "") + f", batch {args.batch_size}, "
         f"{args.epochs} epochs")
     if comm is not None:
         log(f"MPI: {lp.layout.size} ranks = {lp.layout.layer_size} layer ranks x "
@@ -522,7 +542,7 @@ def cmd_train(args, comm=None):
     hist = fit(lp, opt, xtr, ds.y_train, xte, ds.y_test, epochs=args.epochs,
                batch_size=args.batch_size, rng=rng, start_epoch=start, step=step,
                checkpoint=args.checkpoint, log=log, progress=not args.no_progress and rank == 0,
-               meta=meta, timings=timings, clip_grad=args.clip_grad)
+               meta=meta, timings=timings, clip_grad=args.clip_grad, lr_schedule=schedule)
     train_s = time.perf_counter() - t0
     from .train import evaluate
     acc = hist[-1]["test_accuracy"] if hist else evaluate(lp, xte, ds.y_test)

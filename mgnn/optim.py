@@ -169,3 +169,43 @@ def make_optimizer(name, params, lr, momentum=0.9, weight_decay=0.0):
     if name == "adam":
         return Adam(params, lr=lr, weight_decay=weight_decay)
     raise ValueError(f"unknown optimizer {name!r}; expected 'sgd' or 'adam'")
+
+
+class CosineLR:
+    """Cosine learning-rate decay (PyTorch's ``CosineAnnealingLR``, one half period of
+    ``epochs``): ``lr(e) = lr_min + (lr - lr_min) (1 + cos(pi min(e / epochs, 1))) / 2`` after
+    ``e`` epochs of training (a float: epoch + batch / batches), then ``lr_min``.
+
+    Parameters
+    ----------
+    lr : float
+        The rate at the start (``e = 0``).
+    epochs : float
+        Length of the decay; > 0.
+    lr_min : float
+        The rate from ``e = epochs`` on; at most ``lr``.
+    """
+
+    def __init__(self, lr, epochs, lr_min=0.0):
+        self.lr = _nonneg("lr", lr)
+        self.lr_min = _nonneg("lr_min", lr_min)
+        if self.lr_min > self.lr:
+            raise ValueError(f"lr_min {lr_min!r} is above lr {lr!r}")
+        if not _nonneg("epochs", epochs) > 0:
+            raise ValueError(f"epochs must be > 0, got {epochs!r}")
+        self.epochs = float(epochs)
+
+    def __call__(self, epochs_done):
+        if not epochs_done >= 0:
+            raise ValueError(f"epochs done must be >= 0, got {epochs_done!r}")
+        f = min(epochs_done / self.epochs, 1.0)
+        return self.lr_min + (self.lr - self.lr_min) * 0.5 * (1.0 + np.cos(np.pi * f))
+
+
+def make_lr_schedule(name, lr, epochs, lr_min=0.0):
+    """None (a constant rate) for 'constant', a :class:`CosineLR` over ``epochs`` for 'cosine'."""
+    if name == "constant":
+        return None
+    if name == "cosine":
+        return CosineLR(lr, epochs, lr_min)
+    raise ValueError(f"unknown learning-rate schedule {name!r}; expected 'constant' or 'cosine'")

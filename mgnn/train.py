@@ -326,7 +326,7 @@ def _add_timings(total, stats):
 
 def fit(lp, optimizer, x_train, y_train, x_test, y_test, *, epochs, batch_size, rng,
         start_epoch=0, step=0, checkpoint=None, log=None, progress=True, meta=None,
-        timings=None, clip_grad=None):
+        timings=None, clip_grad=None, lr_schedule=None):
     """Train ``lp.model`` for epochs ``start_epoch .. epochs-1``.
 
     Parameters
@@ -351,6 +351,10 @@ def fit(lp, optimizer, x_train, y_train, x_test, y_test, *, epochs, batch_size, 
         Scale every gradient whose global 2-norm (:meth:`LayerParallel.grad_norm`, over all
         ranks) exceeds this down to it (PyTorch's ``clip_grad_norm_``): recurrent networks over
         long sequences need it.
+    lr_schedule : callable(float) -> float, or None
+        Sets ``optimizer.lr`` before every step from the epochs done, ``epoch + j / batches``
+        before batch ``j`` (e.g. :class:`mgnn.optim.CosineLR`), so a resumed run continues on
+        the same curve. None keeps ``optimizer.lr``.
 
     Returns
     -------
@@ -366,6 +370,9 @@ def fit(lp, optimizer, x_train, y_train, x_test, y_test, *, epochs, batch_size, 
     replicas = lp.layout.data_ranks
     if batch_size < replicas:
         raise ValueError(f"batch_size={batch_size} is smaller than the {replicas} data replicas")
+    if lr_schedule is not None and not callable(lr_schedule):
+        raise TypeError(f"lr_schedule must be a callable(fraction) -> lr or None, got "
+                        f"{type(lr_schedule).__name__}")
     if checkpoint:
         check_checkpoint_writable(checkpoint, lp)
     grads = None  # one gradient buffer, filled by every step (loss_and_grad's out)
@@ -395,6 +402,8 @@ def fit(lp, optimizer, x_train, y_train, x_test, y_test, *, epochs, batch_size, 
                 norm = lp.grad_norm(grads)
                 if norm > clip_grad:
                     grads.flat *= grads.flat.dtype.type(clip_grad / norm)
+            if lr_schedule is not None:
+                optimizer.lr = float(lr_schedule(epoch + j / len(idx)))
             optimizer.step(grads.flat)
             total += loss
             step += 1

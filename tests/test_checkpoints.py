@@ -157,12 +157,30 @@ def test_resume_with_warm_start_equals_the_uninterrupted_run(tmp_path):
         np.testing.assert_array_equal(b["warm"]["states"][k], a["warm"]["states"][k])
 
 
+def test_resume_continues_a_cosine_schedule_exactly(tmp_path):
+    """The rate follows the epochs done, so 1 epoch of a 3-epoch decay + resume to 3 is the
+    uninterrupted 3-epoch cosine run bit for bit (and differs from a constant-rate run); the
+    decay length is checked on resume."""
+    opts = ("--lr", "0.01", "--lr-schedule", "cosine", "--lr-min", "0.001", "--lr-epochs", "3")
+    full, part, resumed, flat = (str(tmp_path / f) for f in ("f.npz", "p.npz", "r.npz", "c.npz"))
+    assert main(_cli("--epochs", "3", "--checkpoint", full, *opts[:-2])) == 0  # default: 3
+    assert main(_cli("--epochs", "3", "--checkpoint", flat, "--lr", "0.01")) == 0
+    assert main(_cli("--epochs", "1", "--checkpoint", part, *opts)) == 0
+    assert main(_cli("--epochs", "3", "--resume", part, "--checkpoint", resumed, *opts)) == 0
+    a, b, c = load_checkpoint(full), load_checkpoint(resumed), load_checkpoint(flat)
+    for k in a["params"]:
+        np.testing.assert_array_equal(b["params"][k], a["params"][k], err_msg=k)
+    assert not np.array_equal(a["params"]["steps.weight"], c["params"]["steps.weight"])
+    assert main(_cli("--epochs", "4", "--resume", part, *opts[:-2])) == 2  # a 4-epoch decay
+
+
 def test_resume_checks_the_options_that_change_the_continuation(tmp_path, capsys):
     part = str(tmp_path / "part.npz")
     assert main(_cli("--epochs", "1", "--checkpoint", part, "--lr", "0.01")) == 0
     capsys.readouterr()
     for flag, value, saved in (("--lr", "0.02", "0.01"), ("--batch-size", "32", "64"),
-                               ("--weight-decay", "0.1", "0.0"), ("--seed", "8", "7")):
+                               ("--weight-decay", "0.1", "0.0"), ("--seed", "8", "7"),
+                               ("--lr-schedule", "cosine", "constant")):
         assert main(_cli("--epochs", "2", "--resume", part, "--lr", "0.01", flag, value)) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and f"{flag} {float(value) if '.' in value else value} " \

@@ -100,3 +100,21 @@ def test_param_dicts_work_as_params_and_grads(name, rng):
     for bad in (dict(g), list(g.flat)):
         with pytest.raises(TypeError, match=r"a ParamDict or its \.flat\), got"):
             b.step(bad)
+
+
+def test_cosine_schedule_values_and_bad_input():
+    from mgnn.optim import CosineLR, make_lr_schedule
+    s = CosineLR(0.1, 4, 0.01)
+    assert s(0.0) == pytest.approx(0.1, rel=1e-15) and s(4.0) == pytest.approx(0.01, rel=1e-15)
+    assert s(2.0) == pytest.approx(0.055, rel=1e-14) and s(9.0) == s(4.0)
+    assert s(1.0) == pytest.approx(0.01 + 0.09 * (1 + np.sqrt(0.5)) / 2, rel=1e-14)
+    assert make_lr_schedule("constant", 0.1, 4) is None
+    assert make_lr_schedule("cosine", 0.1, 4, 0.01)(4.0) == pytest.approx(0.01)
+    with pytest.raises(ValueError, match="lr_min 0.2 is above lr 0.1"):
+        CosineLR(0.1, 4, 0.2)
+    with pytest.raises(ValueError, match="epochs must be > 0, got 0"):
+        CosineLR(0.1, 0)
+    with pytest.raises(ValueError, match=r"epochs done must be >= 0, got -1"):
+        s(-1)
+    with pytest.raises(ValueError, match="'step'"):
+        make_lr_schedule("step", 0.1, 4)

@@ -202,3 +202,27 @@ def test_clip_grad_scales_the_update_to_the_norm():
     with pytest.raises(ValueError, match="clip_grad must be a positive number"):
         mgnn.fit(lp, mgnn.SGD(model.params.flat, lr=1.0), x, ds.y_train, xt, ds.y_test,
                  epochs=1, batch_size=32, rng=np.random.default_rng(0), clip_grad=0.0)
+
+
+def test_fit_sets_the_rate_from_the_fraction_of_the_run_done():
+    """Every step's rate is lr_schedule(epoch + j / batches), set before the step."""
+    ds = mgnn.load_synthetic(n_train=32, n_test=8, image_size=(2, 2), seed=0)
+    model = mgnn.dense_resnet(4, 3, ds.n_classes, 2, dtype="float64", seed=0)
+    lp = mgnn.LayerParallel(model)
+    x, xt = ds.x_train.reshape(32, -1), ds.x_test.reshape(8, -1)
+    opt = mgnn.SGD(model.params.flat, lr=1.0)
+    seen = []
+
+    class Recorder:  # the rate fit set on it just before each step
+        lr = None
+
+        def step(self, g):
+            seen.append(self.lr)
+            opt.step(g)
+
+    mgnn.fit(lp, Recorder(), x, ds.y_train, xt, ds.y_test, epochs=2, batch_size=16,
+             rng=np.random.default_rng(0), progress=False, lr_schedule=lambda e: 1.0 + e)
+    assert seen == [1.0, 1.5, 2.0, 2.5]
+    with pytest.raises(TypeError, match="lr_schedule must be a callable"):
+        mgnn.fit(lp, opt, x, ds.y_train, xt, ds.y_test, epochs=1, batch_size=16,
+                 rng=np.random.default_rng(0), lr_schedule=0.1)
