@@ -115,7 +115,9 @@ def _bench_parser(sub):
         f"  {k:<20} {v}" for k, v in FIELDS.items())
     p = sub.add_parser("bench", help="benchmarks (ratios against baselines, same run)",
                        description="kernels: kernel speed against BLAS / the reference; mgrit: "
-                                   "work per cycle against the cost model and overheads; "
+                                   "work per cycle against the cost model and overheads (dense; "
+                                   "conv with and without spatial coarsening, work in fine-step "
+                                   "equivalents); "
                                    "scaling: strong/weak scaling and sweeps of layer-parallel "
                                    "MGRIT against serial, layer-wise and pipeline training "
                                    "(run under mpiexec -n P, or it launches mpiexec itself), "
@@ -624,9 +626,16 @@ def cmd_bench(args):
         results = bench_gpu_launches(n_layers=128 if args.quick else 1024)
         text = format_gpu_launches(results)
     else:
+        from .bench_spatial import format_mgrit_comparison, mgrit_comparison
         results = [r for w in (16, 64)
                    for r in bench_mgrit(n_layers=64 if args.quick else 256, width=w)]
         text = format_mgrit(results)
+        # conv ResNets with and without spatial coarsening: work in fine-step equivalents
+        for size, n in (((16, 16), 16), ((8, 8, 8), 8)) if args.quick else \
+                (((28, 28), 32), ((16, 16, 16), 16)):
+            rows = mgrit_comparison(size=size, n_layers=n, repeats=3 if args.quick else 5)
+            results += rows
+            text += "\n" + format_mgrit_comparison(rows)
     if args.json:
         for r in results:
             print(json.dumps(r))

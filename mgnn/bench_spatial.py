@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-from .mgrit import MGRITOptions
+from .mgrit import MGRITOptions, level_sizes
 
 
 class _Counter:
@@ -161,3 +161,83 @@ def training_step(size=(31, 31, 31), n_layers=128, channels=4, batch=4, cf=4, le
 def _max_op():
     from mpi4py import MPI
     return MPI.MAX
+
+
+def mgrit_comparison(size=(28, 28), n_layers=32, channels=4, batch=8, cf=4, levels=3,
+                     fwd_iters=2, bwd_iters=1, spatial=(0,), repeats=5, backend="numba", seed=0):
+    """MGRIT with and without spatial coarsening at the same settings, against the serial step
+    (``bench mgrit``'s spatial rows; one process).
+
+    Work is counted in fine-step equivalents: each level's steps of a solve (the solver's call
+    structure, :func:`level_counts`) times the level's cost, ``LayerParallel.level_cost`` (the
+    pixel ratio of its images: a coarse 3D step of 16^3 -> 8^3 is 1/8). A training step's work
+    is the forward and adjoint solves plus one parameter-gradient evaluation per layer; the
+    serial step's is 3 N. ``cost_model_ratio`` = time / (work x the serial step's time per
+    evaluation): 1 means MGRIT costs exactly its work.
+
+    Returns
+    -------
+    list of dict
+        One per run ('serial', 'mgrit', 'mgrit-spatial'): seconds per training step, work per
+        cycle and layer of each solve, work per step / N, the cost-model ratio and the residual
+        histories.
+    """
+    import mgnn
+    from .bench import median_time
+    from .network import LayerParallel
+    volumes = len(size) == 3
+    model = mgnn.conv_resnet(1, channels, size, 6 if volumes else 10, n_layers,
+                             dtype="float32", seed=seed)
+    x, y = _data(size, batch, seed, volumes)
+    x = x.astype(np.float32)
+    common = dict(cf=cf, max_levels=levels, nrelax=[0, 1], tol=0.0, warn_not_converged=False)
+    fwd = MGRITOptions(max_iter=fwd_iters, **common)
+    bwd = MGRITOptions(max_iter=bwd_iters, **common)
+    name = (f"{'x'.join(map(str, size))} conv C={channels} N={n_layers} B={batch} cf={cf} "
+            f"levels={levels} {fwd_iters}/{bwd_iters} cycles {backend}")
+    runs = [("serial", LayerParallel(model, backend=backend), ())]
+    runs += [("mgrit", LayerParallel(model, fwd=fwd, bwd=bwd, backend=backend), ())]
+    runs += [("mgrit-spatial", LayerParallel(model, fwd=fwd, bwd=bwd, backend=backend,
+                                             spatial_levels=spatial), spatial)]
+    rows = []
+    for key, lp, levs in runs:
+        lp.loss_and_grad(x, y)  # compile
+        t = median_time(lambda: lp.loss_and_grad(x, y), repeats=repeats, warmup=1)
+        row = {"name": name, "run": key, "size": "x".join(map(str, size)),
+               "spatial": ",".join(map(str, levs)) or "-", "seconds_per_step": t}
+        if key == "serial":
+            row.update(work_per_step=3.0, fwd_work_per_cycle=None, adj_work_per_cycle=None)
+        else:
+            work = n_layers  # the parameter gradients
+            for part, opts, cycles in (("fwd", fwd, fwd_iters), ("adj", bwd, bwd_iters)):
+                counts = level_counts(n_layers, opts)
+                weighted = sum(c * lp.level_cost[lev] for lev, c in counts.items())
+                sizes = level_sizes(n_layers, cf, levels, opts.min_coarse)
+                final_f = sizes[0] - sizes[1]  # the solve's last F-relaxation, on level 0
+                row[f"{part}_work_per_cycle"] = (weighted - final_f) / cycles / n_layers
+                work += weighted
+            row["work_per_step"] = work / n_layers
+            row["forward"] = lp.stats["forward"]["residuals"]
+            row["adjoint"] = lp.stats["adjoint"]["residuals"]
+        rows.append(row)
+    per_eval = rows[0]["seconds_per_step"] / (3.0 * n_layers)
+    for r in rows:
+        r["cost_model_ratio"] = r["seconds_per_step"] / (r["work_per_step"] * n_layers * per_eval)
+        r["speedup_vs_serial"] = rows[0]["seconds_per_step"] / r["seconds_per_step"]
+    return rows
+
+
+def format_mgrit_comparison(rows):
+    """Plain-text lines of :func:`mgrit_comparison`."""
+    lines = [rows[0]["name"] if rows else ""]
+    for r in rows:
+        cyc = ("" if r["fwd_work_per_cycle"] is None else
+               f"; work per cycle / N: forward {r['fwd_work_per_cycle']:.3f}, adjoint "
+               f"{r['adj_work_per_cycle']:.3f}")
+        res = ("" if "forward" not in r else
+               f"; residuals fwd {r['forward'][-1]:.2e} adj {r['adjoint'][-1]:.2e}")
+        lines.append(f"    {r['run']:<14} spatial {r['spatial']:<4} {1e3 * r['seconds_per_step']:9.2f}"
+                     f" ms/step  work/step {r['work_per_step']:.3f} N (fine-step equivalents)"
+                     f"{cyc}; time / (work x serial per evaluation) {r['cost_model_ratio']:.3f}"
+                     f"; speedup vs serial {r['speedup_vs_serial']:.2f}{res}")
+    return "\n".join(lines)

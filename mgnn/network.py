@@ -786,7 +786,11 @@ class LayerParallel:
             replicas = _ReplicaGather(self.layout.data_comm)
         self.ctx = StepContext(seed=model.dropout_seed, buffers=model.group_buffers(),
                                replicas=replicas)
-        starts, work_per_block = _balanced_layers(N, P, fwd, bwd, self.coarsest)
+        #: cost of a step on each MGRIT level in fine-step equivalents (spatial coarsening: the
+        #: pixel ratio of the level's images; 1 on every level without it)
+        self.level_cost = _level_costs(model, self.spatial, fwd, bwd)
+        starts, work_per_block = _balanced_layers(N, P, fwd, bwd, self.coarsest,
+                                                  self.level_cost)
         self.partition = Partition(N, starts, tuple(range(P)))
         self.adjoint_partition = self.partition.mirrored()
         #: modelled layer evaluations per training step of each layer rank (balanced)
@@ -1463,14 +1467,31 @@ def _options_key(opts):
 _LAYER_SPLITS = {}  # (N, P, option keys, coarsest) -> (starts, work per block)
 
 
-def _balanced_layers(N, P, fwd, bwd, coarsest):
+def _level_costs(model, spatial, fwd, bwd):
+    """Per MGRIT level (as many as the deeper of the two hierarchies), the cost of one step in
+    fine-step equivalents: the ratio of the level's pixels to the fine images' under the
+    spatial coarsening ``spatial`` (:func:`_spatial_options`; None: 1 on every level)."""
+    n = max([len(hierarchy(model.n_layers, o)) for o in (fwd, bwd) if o is not None] or [1])
+    if spatial is None:
+        return (1.0,) * n
+    levels = spatial[0]
+    size = fine = model.step.state_shape(1)[2:]
+    out = []
+    for lev in range(n):
+        out.append(float(np.prod(size)) / float(np.prod(fine)))
+        if lev in levels:
+            size = grid_transfer.coarse_shape(size)
+    return tuple(out)
+
+
+def _balanced_layers(N, P, fwd, bwd, coarsest, level_cost=None):
     """(starts, work per block) of N layers on P layer ranks (:func:`balanced_starts` over
     :func:`layer_work_model`), computed once per configuration in a process: virtual ranks
     build the same split P times."""
-    key = (N, P, _options_key(fwd), _options_key(bwd), coarsest)
+    key = (N, P, _options_key(fwd), _options_key(bwd), coarsest, level_cost)
     got = _LAYER_SPLITS.get(key)
     if got is None:
-        work = layer_work_model(N, fwd, bwd, coarsest)
+        work = layer_work_model(N, fwd, bwd, coarsest, level_cost)
         align = fwd.cf if fwd is not None else 1
         starts = balanced_starts(N, P, align, work=work, extra_first=OPENING_WORK,
                                  extra_last=CLOSING_WORK)
@@ -1482,10 +1503,12 @@ def _balanced_layers(N, P, fwd, bwd, coarsest):
     return got
 
 
-def layer_work_model(n_layers, fwd, bwd, coarsest="redundant"):
+def layer_work_model(n_layers, fwd, bwd, coarsest="redundant", level_cost=None):
     """Modelled layer evaluations of each layer in one training step (N,) float64: the forward
     and adjoint solves (MGRIT cycles by :func:`mgnn.mgrit.partition.layer_work`, the final
-    F-relaxation, or one evaluation each layer by layer) and the parameter gradient."""
+    F-relaxation, or one evaluation each layer by layer) and the parameter gradient.
+    ``level_cost``: a step's cost per level in fine-step equivalents (None: 1; a hierarchy
+    shallower than it uses its first entries)."""
     from .mgrit.hierarchy import level_sizes
     work = np.ones(n_layers)  # the parameter gradient of every layer
     for opts, mirrored in ((fwd, False), (bwd, True)):
@@ -1501,7 +1524,9 @@ def layer_work_model(n_layers, fwd, bwd, coarsest="redundant"):
             if count:
                 work += count * layer_work(n_layers, opts.cf, sizes, opts.nrelax_on, skip=skip,
                                            cycle=opts.cycle, coarsest=coarsest,
-                                           mirrored=mirrored)
+                                           mirrored=mirrored,
+                                           level_cost=None if level_cost is None
+                                           else level_cost[:len(sizes)])
         work += 1.0  # the final F-relaxation (F-points only: an upper bound)
     return work
 

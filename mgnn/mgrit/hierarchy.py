@@ -95,19 +95,24 @@ def cycle_work(sizes, cf, nrelax, skip=False, cycle="V", level=0):
             + solves * sizes[-1])
 
 
-def cycle_critical_path(sizes, nrelax, ranks, skip=False):
+def cycle_critical_path(sizes, nrelax, ranks, skip=False, level_cost=None):
     """Cost model of one V-cycle on ``ranks`` layer ranks: (steps, messages) on the critical path.
 
     Every sweep on level l is shared by the P_l = min(ranks, n_l + 1) ranks holding points of that
     level (work / P_l steps each) and costs one boundary message when P_l > 1; the coarsest level
     is sequential across its P_c ranks (n_{L-1} steps and P_c - 1 messages). Work per sweep as in
-    :func:`cycle_work`. With ranks = 1 it equals (cycle_work, 0).
+    :func:`cycle_work`. With ranks = 1 it equals (cycle_work, 0). ``level_cost``: a step's cost
+    on each level in fine-step equivalents (spatial coarsening; None: 1), which then weighs the
+    steps.
     """
     L = len(sizes)
+    cost = [1.0] * L if level_cost is None else [float(c) for c in level_cost]
+    if len(cost) != L:
+        raise ValueError(f"level_cost needs one entry per level ({L}), got {level_cost!r}")
 
     def share(work, lev):
         p = min(ranks, sizes[lev] + 1)
-        return work / p, (1 if p > 1 else 0)
+        return cost[lev] * work / p, (1 if p > 1 else 0)
 
     steps = msgs = 0.0
     for lev in range(L - 1):
@@ -122,17 +127,18 @@ def cycle_critical_path(sizes, nrelax, ranks, skip=False):
             s, m = share(work, at)
             steps, msgs = steps + s, msgs + m
     pc = min(ranks, sizes[-1] + 1)
-    return steps + sizes[-1], msgs + (pc - 1)
+    return steps + cost[-1] * sizes[-1], msgs + (pc - 1)
 
 
-def solve_critical_path(sizes, nrelax, ranks, cycles, skip=False):
+def solve_critical_path(sizes, nrelax, ranks, cycles, skip=False, level_cost=None):
     """(steps, messages) of a whole solve: ``cycles`` cycles (the first cascadic if ``skip``) and
-    the final F-relaxation (a sequential chain of N steps when there is a single level)."""
+    the final F-relaxation (a sequential chain of N steps when there is a single level);
+    ``level_cost`` as in :func:`cycle_critical_path`."""
     if len(sizes) == 1:
         return float(sizes[0]), float(min(ranks, sizes[0] + 1) - 1)
     steps = msgs = 0.0
     for k in range(cycles):
-        s, m = cycle_critical_path(sizes, nrelax, ranks, skip and k == 0)
+        s, m = cycle_critical_path(sizes, nrelax, ranks, skip and k == 0, level_cost)
         steps, msgs = steps + s, msgs + m
     p = min(ranks, sizes[0] + 1)
     return steps + (sizes[0] - sizes[1]) / p, msgs + (1 if p > 1 else 0)

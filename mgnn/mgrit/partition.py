@@ -67,8 +67,23 @@ def _nrelax_fn(nrelax):
     return lambda lev: int(seq[min(lev, len(seq) - 1)])
 
 
+def level_costs(level_cost, n_levels):
+    """``level_cost`` (None, or one cost per level in fine-step equivalents) as a list of
+    ``n_levels`` finite floats >= 0 (None: all 1); ValueError naming the value."""
+    if level_cost is None:
+        return [1.0] * n_levels
+    try:
+        c = [float(v) for v in level_cost]
+    except (TypeError, ValueError):
+        raise ValueError(f"level_cost must be a sequence of numbers, got {level_cost!r}") from None
+    if len(c) != n_levels or not all(np.isfinite(v) and v >= 0 for v in c):
+        raise ValueError(f"level_cost must hold {n_levels} finite numbers >= 0 (one per level), "
+                         f"got {level_cost!r}")
+    return c
+
+
 def layer_work(n_steps, cf=1, sizes=None, nrelax=1, skip=False, cycle="V",
-               coarsest="redundant", mirrored=False):
+               coarsest="redundant", mirrored=False, level_cost=None):
     """Layer evaluations per MGRIT cycle charged to the owner of each fine index (the balance
     model of :func:`balanced_starts`).
 
@@ -94,6 +109,9 @@ def layer_work(n_steps, cf=1, sizes=None, nrelax=1, skip=False, cycle="V",
         The adjoint solve (reversed indices, pull propagator, :meth:`Partition.mirrored`): its
         level-l step from reversed point m to m + cf^l runs on the owner of fine index
         N - m - cf^l.
+    level_cost : sequence of float or None
+        Cost of one step on each level in fine-step equivalents (spatial coarsening: the pixel
+        ratio of the level's images to the fine ones); None: 1 everywhere.
 
     Returns
     -------
@@ -118,12 +136,13 @@ def layer_work(n_steps, cf=1, sizes=None, nrelax=1, skip=False, cycle="V",
         raise ValueError(f"cycle must be 'V' or 'F', got {cycle!r}")
     if coarsest not in ("redundant", "sequential"):
         raise ValueError(f"coarsest must be 'redundant' or 'sequential', got {coarsest!r}")
+    cost = level_costs(level_cost, len(sizes))
     every, into_f, solves = step_weights(sizes, cf, _nrelax_fn(nrelax), bool(skip), cycle)
     if coarsest == "sequential":
         every[-1] += solves
     for lev, n in enumerate(sizes):
         j = np.arange(n)
-        w = every[lev] + into_f[lev] * ((j + 1) % cf != 0)
+        w = cost[lev] * (every[lev] + into_f[lev] * ((j + 1) % cf != 0))
         s = cf ** lev
         np.add.at(work, N - (j + 1) * s if mirrored else j * s, w)
     return work

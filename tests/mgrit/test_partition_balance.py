@@ -169,3 +169,74 @@ def test_layer_parallel_uses_balanced_blocks():
     assert len(starts) == 3 and all(b > a for a, b in zip(starts, starts[1:])) and starts[-1] < 16
     lp = mgnn.LayerParallel(mgnn.dense_resnet(4, 4, 3, 32), opts, opts, threads=None)
     assert list(lp.partition.starts) == [0] and len(lp.block_work) == 1
+
+
+@pytest.mark.parametrize("mirrored", [False, True])
+def test_level_cost_weighs_each_level_s_counted_steps(mirrored):
+    """With a cost per level (spatial coarsening: coarse steps are cheaper) the per-layer work
+    is every counted step times its level's cost: the solver's calls, counted per level."""
+    n, cf, levels = 67, 2, 3
+    cost = [1.0, 0.25, 0.0625]
+    counts = np.zeros(n)
+
+    class Count:
+        def step(self, u, start, stop, level):
+            counts[n - stop if mirrored else start] += cost[level]
+            return 0.5 * u + 1.0
+
+    opts = MGRITOptions(cf=cf, max_levels=levels, nrelax=[0, 1], tol=0.0, max_iter=1)
+    MGRITSolver(Count(), n, opts).solve(np.array([1.0]))
+    sizes = level_sizes(n, cf, levels, 2)
+    got = layer_work(n, cf, sizes, nrelax=opts.nrelax_on, coarsest="sequential",
+                     mirrored=mirrored, level_cost=cost)
+    final_f = (n - np.arange(n) if mirrored else np.arange(n) + 1) % cf != 0
+    np.testing.assert_allclose(got + final_f, counts, rtol=0, atol=1e-12)
+    assert got.sum() < layer_work(n, cf, sizes, nrelax=opts.nrelax_on,
+                                  coarsest="sequential").sum()
+    for bad in ([1.0, 0.5], [1.0, -1.0, 0.5], [1.0, float("nan"), 1.0], "abc"):
+        with pytest.raises(ValueError, match="level_cost"):
+            layer_work(n, cf, sizes, level_cost=bad)
+
+
+def test_critical_path_weighs_levels():
+    from mgnn.mgrit import cycle_critical_path, solve_critical_path
+    opts = MGRITOptions(cf=4, max_levels=3, nrelax=[0, 1])
+    sizes = level_sizes(256, 4, 3, 2)
+    assert cycle_critical_path(sizes, opts.nrelax_on, 4, level_cost=[1, 1, 1]) == \
+        cycle_critical_path(sizes, opts.nrelax_on, 4)
+    every, into_f, solves = step_weights(sizes, 4, opts.nrelax_on)
+    cost = [1.0, 0.25, 0.0625]
+    nxt = sizes[1:] + [sizes[-1]]
+    want = sum(c * (e * n + f * (n - m)) for c, e, f, n, m in zip(cost, every, into_f, sizes, nxt)) \
+        + cost[-1] * solves * sizes[-1]
+    assert cycle_critical_path(sizes, opts.nrelax_on, 1, level_cost=cost) == \
+        pytest.approx((want, 0), rel=1e-14)
+    s1, _ = solve_critical_path(sizes, opts.nrelax_on, 4, 2, level_cost=cost)
+    s0, _ = solve_critical_path(sizes, opts.nrelax_on, 4, 2)
+    assert s1 < s0
+    with pytest.raises(ValueError, match="one entry per level"):
+        cycle_critical_path(sizes, opts.nrelax_on, 2, level_cost=[1, 1])
+
+
+def test_spatial_coarsening_balances_with_cheaper_coarse_steps():
+    """LayerParallel weighs a spatially coarsened level's steps by its pixel ratio (15x15 ->
+    7x7: 49/225): the split minimises the largest block's weighted work, which the unweighted
+    split does not (16x16 -> 8x8 -> 4x4, 32 layers, cf 4: 64 against 66.5 on 5 ranks)."""
+    import mgnn
+    from mgnn.network import CLOSING_WORK, OPENING_WORK, layer_work_model
+    opts = MGRITOptions(cf=4, max_levels=3, nrelax=[0, 1], max_iter=2, tol=0.0)
+    odd = mgnn.conv_resnet(1, 2, (15, 15), 3, 32, seed=0)
+    assert mgnn.LayerParallel(odd, opts, opts, spatial_levels=(0,),
+                              threads=None).level_cost == (1.0, 49 / 225, 49 / 225)
+    assert mgnn.LayerParallel(odd, opts, opts, threads=None).level_cost == (1.0, 1.0, 1.0)
+    model = mgnn.conv_resnet(1, 2, (16, 16), 3, 32, seed=0)
+    lp = mgnn.LayerParallel(model, opts, opts, spatial_levels=(0, 1), threads=None)
+    assert lp.level_cost == (1.0, 0.25, 0.0625)
+    work = layer_work_model(32, opts, opts, "sequential", lp.level_cost)
+    plain = layer_work_model(32, opts, opts, "sequential")
+    kw = dict(extra_first=OPENING_WORK, extra_last=CLOSING_WORK)
+    for P, best in ((3, 98.0), (5, 64.0)):
+        weighted = balanced_starts(32, P, 4, work=work, **kw)
+        unweighted = balanced_starts(32, P, 4, work=plain, **kw)
+        assert max(block_work(32, weighted, work=work, **kw)) == pytest.approx(best)
+        assert max(block_work(32, unweighted, work=work, **kw)) > best + 0.4
