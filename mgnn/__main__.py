@@ -138,8 +138,10 @@ def _bench_parser(sub):
     g.add_argument("--ranks", default=None,
                    help="process counts P (default 1,2,4; predict: 1,2,4,...,4096)")
     g.add_argument("--model", choices=["dense", "gru", "conv"], default="dense",
-                   help="scaling: dense ResNet over N layers, or a GRU over N time steps "
-                        "(hidden = --width, 4 input features; no pipeline baseline); "
+                   help="scaling: dense ResNet over N layers, a GRU over N time steps "
+                        "(hidden = --width, 4 input features; no pipeline baseline), or a conv "
+                        "ResNet (--channels, 28 x 28 images; with --spatial-levels also MGRIT "
+                        "with spatial coarsening); "
                         "calibrate/predict: dense or conv (MNIST-sized 28 x 28 images)")
     g.add_argument("--layers", "--n-layers", dest="n_layers", type=int, default=256, metavar="N",
                    help="residual layers N (default 256)")
@@ -194,7 +196,8 @@ def _bench_parser(sub):
     g.add_argument("--channels", type=int, default=None,
                    help="state channels (default 4; predict/calibrate: 8)")
     g.add_argument("--spatial-levels", default=None, metavar="L1,L2",
-                   help="levels coarsened in space below them ('' for none; default 0)")
+                   help="levels coarsened in space below them ('' for none; spatial-step "
+                        "default 0; scaling --model conv: adds an mgrit-spatial run)")
     return p
 
 
@@ -604,9 +607,6 @@ def cmd_bench(args):
         return main(args)
     if args.suite == "scaling":
         from .scaling import main as scaling_main
-        if args.model == "conv":
-            raise ValueError("bench scaling: --model conv is not measured (dense or gru; "
-                             "bench predict covers conv)")
         args.ranks = args.ranks or "1,2,4"
         args.micro = args.micro or "1,2,4,8"
         args.out = args.out or "results/scaling"

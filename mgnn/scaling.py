@@ -17,11 +17,11 @@ import numpy as np
 
 from .backend import get_backend
 from .bench import median_time
-from .mgrit import MGRITOptions, level_sizes, solve_critical_path
+from .mgrit import MGRITOptions, cycle_work, level_sizes, solve_critical_path
 from .blocks.composed import StepContext
 from .comm.halo import ping_pong
-from .network import (AdjointPropagator, ForwardPropagator, LayerParallel, dense_resnet,
-                      gru_classifier)
+from .network import (AdjointPropagator, ForwardPropagator, LayerParallel, conv_resnet,
+                      dense_resnet, gru_classifier)
 from .pipeline import PipelineParallel
 
 #: Every output field, as ``--help`` and the JSON header document it.
@@ -29,9 +29,10 @@ FIELDS = {
     "study": "strong (fixed network, more ranks) | weak (layers per rank fixed) | sweep-<key>",
     "method": "serial | layerwise (each rank its block, sequential hand-off) | pipeline "
               "(GPipe, M micro-batches) | mgrit (layer-parallel MGRIT, overlap on) | "
-              "mgrit-nooverlap",
+              "mgrit-nooverlap | mgrit-spatial (conv: MGRIT with spatial coarsening)",
     "model": "dense (ResNet over layers) | gru (GRU over N time steps, hidden = width; no "
-             "pipeline baseline)",
+             "pipeline baseline) | conv (conv ResNet on 28 x 28 images, width = channels)",
+    "spatial": "levels coarsened in space below them (mgrit-spatial; '-' for none)",
     "ranks": "MPI processes P used for the point",
     "micro_batches": "M for the pipeline (0 otherwise)",
     "n_layers": "residual layers N", "width": "state width", "batch": "batch size",
@@ -48,6 +49,11 @@ FIELDS = {
     "steps_s": "per-phase time of the last step, slowest rank: step kernels",
     "halo_wait_s": "... blocked on halo messages", "allreduce_s": "... in reductions",
     "other_s": "... everything else (vector kernels, Python, loss)",
+    "work_per_cycle": "MGRIT: layer steps per forward cycle (mean over the cycles) / N in "
+                      "fine-step equivalents (a step on coarsened images costs their pixel "
+                      "ratio)",
+    "work_per_step": "layer steps of the whole training step / N, fine-step equivalents "
+                     "(serial: 3)",
     "t_step_us": "one layer step (mean of forward and adjoint), measured in the same run",
     "t_msg_us": "one boundary message one way (ping-pong / 2), measured in the same run",
     "oversubscribed": "more ranks than cores (timings then measure sharing, not scaling)",
@@ -81,11 +87,21 @@ def _time_step(obj, x, y, comm, repeats):
     return float(np.median(times))
 
 
+#: image edge of the conv studies (MNIST-sized)
+CONV_IMAGE = 28
+
+
 def _problem(cfg):
     """(model, x, y) of a configuration: the dense ResNet (width w, N layers, inputs of size
-    w), or with ``cfg['model'] == 'gru'`` a GRU over N time steps (hidden w, 4 features)."""
+    w), with ``cfg['model'] == 'gru'`` a GRU over N time steps (hidden w, 4 features), with
+    'conv' a float32 conv ResNet with w channels on 28 x 28 images."""
     rng = np.random.default_rng(0)
-    if cfg.get("model", "dense") == "gru":
+    if cfg.get("model") == "conv":
+        S = CONV_IMAGE
+        model = conv_resnet(1, cfg["width"], (S, S), 10, cfg["n_layers"], dtype="float32",
+                            seed=0)
+        x = rng.standard_normal((cfg["batch"], 1, S, S)).astype(np.float32)
+    elif cfg.get("model", "dense") == "gru":
         model = gru_classifier(4, cfg["width"], 10, cfg["n_layers"], seed=0)
         x = rng.standard_normal((cfg["batch"], cfg["n_layers"], 4))
     else:
@@ -99,7 +115,8 @@ def _calibrate(model, x, comm):
     """(t_step, t_msg) in seconds, measured on the ranks of ``comm`` at once."""
     bk = get_backend("numba")
     N = model.n_layers
-    u = np.tanh(np.random.default_rng(1).standard_normal(model.step.state_shape(x.shape[0])))
+    u = np.tanh(np.random.default_rng(1).standard_normal(
+        model.step.state_shape(x.shape[0]))).astype(model.dtype)
     ctx = StepContext(buffers=model.group_buffers())
     ctx.begin(x)
     d = model.step.linearize(model.step_params(), N - 1, u, bk, ctx)
@@ -117,25 +134,47 @@ def _calibrate(model, x, comm):
     return t, comm.bcast(t_msg, root=0)
 
 
-def _models(cfg, P, t_step, t_msg):
-    """Cost-model seconds per method for ``cfg`` on P ranks (and the serial reference)."""
+def _models(cfg, P, t_step, t_msg, spatial_cost=None):
+    """Cost-model seconds per method for ``cfg`` on P ranks (and the serial reference);
+    ``spatial_cost``: the level costs of the spatially coarsened run (mgrit-spatial)."""
     N = cfg["n_layers"]
     opts = MGRITOptions(cf=cfg["cf"], max_levels=cfg["levels"], nrelax=[0, 1])
     sizes = level_sizes(N, cfg["cf"], cfg["levels"], 2)
 
-    def mgrit(p):
+    def mgrit(p, cost=None):
         steps = msgs = 0.0
         for cycles in (cfg["fwd_iters"], cfg["bwd_iters"]):
-            s, m = solve_critical_path(sizes, opts.nrelax_on, p, cycles, skip=True)
+            s, m = solve_critical_path(sizes, opts.nrelax_on, p, cycles, skip=True,
+                                       level_cost=cost)
             steps, msgs = steps + s, msgs + m
         return (steps + 2 * N / p) * t_step + msgs * t_msg
 
     serial = 3 * N * t_step  # forward (+ stored sigma') and backward with parameter vjp
     out = {"serial": serial, "layerwise": serial + 2 * (P - 1) * t_msg,
            "mgrit": mgrit(P), "mgrit-nooverlap": mgrit(P), "mgrit@1": mgrit(1)}
+    if spatial_cost is not None:
+        out["mgrit-spatial"] = mgrit(P, spatial_cost[:len(sizes)])
     for M in cfg["micro"]:
         out[f"pipeline-{M}"] = serial / (M * P) * (M + P - 1) + 2 * (M + P - 2) * t_msg
     return out
+
+
+def _work(cfg, fwd, bwd, lp):
+    """{'work_per_cycle', 'work_per_step'} of a run (fine-step equivalents / N, the run's
+    ``level_cost``); empty for runs without MGRIT."""
+    if lp.fwd is None:
+        return {}
+    N = cfg["n_layers"]
+    sizes = level_sizes(N, cfg["cf"], cfg["levels"], 2)
+    cost = lp.level_cost[:len(sizes)]
+    total, per_cycle = float(N), 0.0  # the parameter gradients
+    for opts in (fwd, bwd):
+        cycles = [cycle_work(sizes, opts.cf, opts.nrelax_on, opts.skip_downcycle and k == 0,
+                             opts.cycle, level_cost=cost) for k in range(opts.max_iter)]
+        total += sum(cycles) + sizes[0] - sizes[1]  # and the final F-relaxation
+        if opts is fwd:
+            per_cycle = sum(cycles) / len(cycles) / N
+    return {"work_per_cycle": per_cycle, "work_per_step": total / N}
 
 
 def study_point(comm, cfg, repeats):
@@ -158,12 +197,17 @@ def study_point(comm, cfg, repeats):
             runs[f"pipeline-{M}"] = PipelineParallel(model, comm=comm, micro_batches=M)
     runs["mgrit"] = LayerParallel(model, fwd=fwd, bwd=bwd, comm=comm)
     runs["mgrit-nooverlap"] = LayerParallel(model, fwd=fwd, bwd=bwd, comm=comm, overlap=False)
+    if cfg.get("spatial"):
+        runs["mgrit-spatial"] = LayerParallel(model, fwd=fwd, bwd=bwd, comm=comm,
+                                              spatial_levels=cfg["spatial"])
     # the serial baseline of this very configuration: one process, the other ranks asleep
     serial_t = _time_step(LayerParallel(model), x, y, None, repeats) if rank == 0 else 0.0
     if comm is not None:
         _sleeping_barrier(comm)
+    spatial = ",".join(map(str, cfg.get("spatial") or ())) or "-"
     rows = [{"method": "serial", "micro_batches": 0, "key": "serial", "ranks": P,
              "time_s": serial_t, "exposed_halo_pct": 0.0, "model": cfg.get("model", "dense"),
+             "spatial": spatial, "work_per_step": 3.0,
              **{k: cfg[k] for k in ("n_layers", "width", "batch", "levels", "cf",
                                     "fwd_iters", "bwd_iters")}}]
     for name, obj in runs.items():
@@ -179,7 +223,8 @@ def study_point(comm, cfg, repeats):
             if comm is not None:
                 w, tot = comm.allreduce(w), comm.allreduce(tot)
             exposed = 100.0 * w / tot if tot > 0 else 0.0
-        rows.append({"method": name.split("-")[0] if name.startswith("pipeline") else name,
+        work = _work(cfg, fwd, bwd, obj)
+        rows.append({**work, "spatial": spatial,"method": name.split("-")[0] if name.startswith("pipeline") else name,
                      "micro_batches": int(name.split("-")[1]) if name.startswith("pipeline")
                      else 0, "key": name, "ranks": P, "time_s": t, "exposed_halo_pct": exposed,
                      **phases,
@@ -187,7 +232,8 @@ def study_point(comm, cfg, repeats):
                      **{k: cfg[k] for k in ("n_layers", "width", "batch", "levels", "cf",
                                             "fwd_iters", "bwd_iters")}})
     t_step, t_msg = _calibrate(model, x, comm)
-    models = _models(cfg, P, t_step, t_msg)
+    models = _models(cfg, P, t_step, t_msg, runs["mgrit-spatial"].level_cost
+                     if "mgrit-spatial" in runs else None)
     for r in rows:
         r.update(predicted_s=models[r["key"]], t_step_us=1e6 * t_step, t_msg_us=1e6 * t_msg,
                  oversubscribed=P > (os.cpu_count() or 1), serial_model_s=models["serial"])
@@ -263,15 +309,16 @@ def format_table(rows, verdict_rows):
     """Plain-text table of the study."""
     lines = [f"{'study':<14} {'P':>2} {'N':>4} {'w':>4} {'B':>4} {'L':>2} {'cf':>2} "
              f"{'method':<16} {'time s':>8} {'speedup':>8} {'model':>7} {'model eff':>9} "
-             f"{'exposed':>8}"]
+             f"{'exposed':>8} {'work/step':>9}"]
     for r in rows:
         lines.append(f"{r['study']:<14} {r['ranks']:>2} {r['n_layers']:>4} {r['width']:>4} "
                      f"{r['batch']:>4} {r['levels']:>2} {r['cf']:>2} {r['key']:<16} "
                      f"{r['time_s']:8.4f} {r.get('speedup', float('nan')):8.2f} "
                      f"{r.get('predicted_speedup', float('nan')):7.2f} "
                      f"{r.get('model_efficiency', float('nan')):9.2f} "
-                     f"{r['exposed_halo_pct']:7.1f}%" + ("  oversubscribed"
-                                                         if r["oversubscribed"] else ""))
+                     f"{r['exposed_halo_pct']:7.1f}% "
+                     + (f"{r['work_per_step']:8.3f}N" if "work_per_step" in r else f"{'':>9}")
+                     + ("  oversubscribed" if r["oversubscribed"] else ""))
     lines.append("")
     for v in verdict_rows:
         over = v["pipeline_overtakes_mgrit_at_M"]
@@ -397,16 +444,23 @@ def write_outputs(out_dir, rows, verdict_rows, residuals, meta):
 
 
 def residual_histories(cfg, cycles=10):
-    """Forward and adjoint residual histories of the base configuration (one process)."""
+    """Forward and adjoint residual histories of the base configuration (one process), with
+    and without its spatial coarsening."""
     model, x, y = _problem(cfg)
     out = {}
     for levels in sorted({2, cfg["levels"]}):
         opts = MGRITOptions(cf=cfg["cf"], max_levels=levels, nrelax=[0, 1], tol=0.0,
                             max_iter=cycles)
-        lp = LayerParallel(model, fwd=opts, bwd=opts)
-        lp.loss_and_grad(x, y)
-        out[f"forward, {levels} levels"] = lp.stats["forward"]["residuals"]
-        out[f"adjoint, {levels} levels"] = lp.stats["adjoint"]["residuals"]
+        for spatial in ((), cfg.get("spatial") or ()):
+            if spatial and any(lev >= levels - 1 for lev in spatial):
+                continue  # that level does not exist in this hierarchy
+            lp = LayerParallel(model, fwd=opts, bwd=opts, spatial_levels=spatial)
+            lp.loss_and_grad(x, y)
+            tag = f", spatial {','.join(map(str, spatial))}" if spatial else ""
+            out[f"forward, {levels} levels{tag}"] = lp.stats["forward"]["residuals"]
+            out[f"adjoint, {levels} levels{tag}"] = lp.stats["adjoint"]["residuals"]
+            if not cfg.get("spatial"):
+                break
     return out
 
 
@@ -425,7 +479,10 @@ def plan(base, ranks, quick, sweeps):
 def main(args, log=print):
     """Entry point of ``bench scaling`` (see ``python -m mgnn bench --help``)."""
     ranks = [int(p) for p in args.ranks.split(",")]
-    base = dict(model=getattr(args, "model", "dense"), n_layers=args.n_layers, width=args.width,
+    model = getattr(args, "model", "dense")
+    spatial = _spatial(getattr(args, "spatial_levels", None), model)
+    base = dict(model=model, n_layers=args.n_layers,
+                width=(args.channels or 4) if model == "conv" else args.width, spatial=spatial,
                 batch=args.batch, levels=args.levels,
                 cf=args.cf, fwd_iters=args.fwd_iters, bwd_iters=args.bwd_iters,
                 micro=[int(m) for m in args.micro.split(",")])
@@ -468,6 +525,20 @@ def main(args, log=print):
     log("wrote " + ", ".join([os.path.join(args.out, "scaling.csv"),
                               os.path.join(args.out, "scaling.json")] + files))
     return rows
+
+
+def _spatial(text, model):
+    """--spatial-levels of ``bench scaling`` as a tuple (conv only; ValueError naming it)."""
+    text = (text or "").strip()
+    if not text:
+        return ()
+    if model != "conv":
+        raise ValueError(f"bench scaling --spatial-levels {text} needs --model conv, got "
+                         f"--model {model}")
+    try:
+        return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"--spatial-levels must be comma-separated ints, got {text!r}") from None
 
 
 def _relaunch(args, n, log):

@@ -85,3 +85,36 @@ def test_no_pipeline_verdict_on_one_rank():
     assert any("pipeline overtakes MGRIT at M=2" in line for line in text.splitlines()
                if " P=4 " in line)
     assert all(v["pipeline_overtakes_mgrit_at_M"] is None for v in ver if v["ranks"] == 1)
+
+
+def test_conv_study_point_compares_spatial_coarsening_in_fine_step_equivalents():
+    """One process, conv ResNet with --spatial-levels 0: an mgrit-spatial row beside mgrit,
+    whose work per step (fine-step equivalents, 28 x 28 -> 14 x 14: a coarse step costs 1/4)
+    and cost-model time are below mgrit's; the work is the weighted cycle work by hand."""
+    from mgnn.mgrit import MGRITOptions, cycle_work, level_sizes
+    cfg = dict(model="conv", n_layers=8, width=1, batch=2, levels=2, cf=2, fwd_iters=2,
+               bwd_iters=1, micro=[], spatial=(0,))
+    rows = {r["key"]: r for r in scaling.study_point(None, cfg, repeats=1)}
+    assert set(rows) == {"serial", "mgrit", "mgrit-nooverlap", "mgrit-spatial"}
+    sizes = level_sizes(8, 2, 2, 2)
+    opts = MGRITOptions(cf=2, max_levels=2, nrelax=[0, 1])
+
+    def per_step(cost):
+        work = [cycle_work(sizes, 2, opts.nrelax_on, k == 0, level_cost=cost) for k in range(2)]
+        adj = cycle_work(sizes, 2, opts.nrelax_on, True, level_cost=cost)
+        return (8 + sum(work) + adj + 2 * (sizes[0] - sizes[1])) / 8, sum(work) / 2 / 8
+
+    for key, cost in (("mgrit", [1, 1]), ("mgrit-spatial", [1, 0.25])):
+        step, cycle = per_step(cost)
+        assert rows[key]["work_per_step"] == pytest.approx(step, rel=1e-14)
+        assert rows[key]["work_per_cycle"] == pytest.approx(cycle, rel=1e-14)
+    assert rows["mgrit-spatial"]["work_per_step"] < rows["mgrit"]["work_per_step"]
+    assert rows["mgrit-spatial"]["predicted_s"] < rows["mgrit"]["predicted_s"]
+    assert rows["mgrit-spatial"]["spatial"] == "0" and rows["serial"]["work_per_step"] == 3.0
+    hist = scaling.residual_histories(cfg, cycles=2)
+    assert set(hist) == {"forward, 2 levels", "adjoint, 2 levels",
+                         "forward, 2 levels, spatial 0", "adjoint, 2 levels, spatial 0"}
+    with pytest.raises(ValueError, match="needs --model conv"):
+        scaling._spatial("0", "dense")
+    with pytest.raises(ValueError, match="comma-separated ints"):
+        scaling._spatial("0,x", "conv")

@@ -62,7 +62,7 @@ def step_weights(sizes, cf, nrelax, skip=False, cycle="V"):
     return every, into_f, solves[0]
 
 
-def cycle_work(sizes, cf, nrelax, skip=False, cycle="V", level=0):
+def cycle_work(sizes, cf, nrelax, skip=False, cycle="V", level=0, level_cost=None):
     """Propagator steps of one cycle (the cost model of :class:`MGRITSolver`).
 
     Parameters
@@ -77,22 +77,29 @@ def cycle_work(sizes, cf, nrelax, skip=False, cycle="V", level=0):
     cycle : {'V', 'F'}
     level : int
         Level the cycle starts on.
+    level_cost : sequence of float or None
+        Cost of a step on each level of ``sizes`` in fine-step equivalents (spatial coarsening);
+        None: every step counts 1.
 
     Returns
     -------
-    int
-        Steps: on a level l below the coarsest, nrelax_l (F, C) sweeps of n_l steps, the F-sweep of
+    int (float with ``level_cost``)
+        Steps (weighted by ``level_cost``): on a level l below the coarsest, nrelax_l (F, C) sweeps of n_l steps, the F-sweep of
         the restriction (n_l - n_{l+1}), the C-point residuals (n_{l+1}) and the coarse FAS
         right-hand side (n_{l+1} coarse steps); the coarse cycle(s); the F-relaxation of level l+1
         before its correction is injected (unless l+1 is the coarsest); n_{L-1} steps for the
         coarsest solve. The final F-relaxation of a solve (n_0 - n_1) is not included.
         Per step: :func:`step_weights`.
     """
-    sizes = list(sizes[level:])
+    if level_cost is not None and len(level_cost) != len(sizes):
+        raise ValueError(f"level_cost needs one entry per level ({len(sizes)}), got "
+                         f"{level_cost!r}")
+    cost = [1] * len(sizes) if level_cost is None else list(level_cost)
+    cost, sizes = cost[level:], list(sizes[level:])
     every, into_f, solves = step_weights(sizes, cf, lambda lev: nrelax(lev + level), skip, cycle)
     nxt = sizes[1:] + [sizes[-1]]
-    return (sum(e * n + f * (n - m) for e, f, n, m in zip(every, into_f, sizes, nxt))
-            + solves * sizes[-1])
+    return (sum(c * (e * n + f * (n - m)) for c, e, f, n, m in
+                zip(cost, every, into_f, sizes, nxt)) + cost[-1] * solves * sizes[-1])
 
 
 def cycle_critical_path(sizes, nrelax, ranks, skip=False, level_cost=None):
