@@ -29,12 +29,12 @@ def test_device_code_paths_on_the_fake_cupy():
     assert re.search(r"\d+ passed", summary) and "skipped" not in summary, summary
 
 
-def _train(ranks, backend, **env):
+def _train(ranks, backend, *model, **env):
     mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable))
     if mpiexec is None:
         pytest.skip("mpiexec not installed")
     cmd = [mpiexec, "-n", str(ranks), sys.executable, "-m", "mgnn", "train", "--data", "digits",
-           "--layers", "8", "--width", "6", "--epochs", "1", "--batch-size", "32",
+           "--layers", "8", *(model or ("--width", "6")), "--epochs", "1", "--batch-size", "32",
            "--limit-train", "96", "--limit-test", "32", "--dtype", "float64", "--no-progress",
            "--json", "--levels", "2", "--cf", "2", "--fwd-iters", "2", "--bwd-iters", "1",
            "--layer-ranks", str(ranks), "--backend", backend, "--timings"]
@@ -57,3 +57,15 @@ def test_cli_cuda_backend_on_two_ranks_on_the_fake_cupy(aware):
     assert abs(got["final_loss"] - ref["final_loss"]) <= 1e-9 * ref["final_loss"]
     want = "straight to CUDA-aware MPI" if aware == "1" else "staged through pinned host buffers"
     assert want in proc.stderr + proc.stdout
+
+
+@pytest.mark.mpi
+def test_cli_spatial_coarsening_on_the_device_on_two_ranks_on_the_fake_cupy():
+    """A conv ResNet with spatial coarsening (8x8 digits -> 4x4 on level 1) on the cuda
+    backend over 2 ranks: coarse-level states cross ranks with their coarse shapes and the
+    loss equals one numba process."""
+    import json
+    conv = ("--model", "conv", "--channels", "2", "--spatial-levels", "0")
+    ref = json.loads(_train(1, "numba", *conv).stdout.strip().splitlines()[-1])
+    got = json.loads(_train(2, "cuda", *conv).stdout.strip().splitlines()[-1])
+    assert abs(got["final_loss"] - ref["final_loss"]) <= 1e-9 * ref["final_loss"]

@@ -150,6 +150,10 @@ def zeros_like(a, dtype=None):
     return np.zeros(a.shape, dtype=dtype or a.dtype).view(ndarray)
 
 
+def ones_like(a, dtype=None):
+    return np.ones(a.shape, dtype=dtype or a.dtype).view(ndarray)
+
+
 for _name in ("argmax", "isfinite", "count_nonzero", "where", "sqrt", "tanh", "matmul",
               "copyto", "unique", "concatenate", "maximum"):
     globals()[_name] = getattr(np, _name)
