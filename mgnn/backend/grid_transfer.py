@@ -1,8 +1,10 @@
 """Spatial grid transfer: restriction to the grid of half the resolution and interpolation back.
 
 States are arrays (B, C, *spatial) with 2 or 3 spatial axes (the last ones), NumPy or CuPy,
-float32/float64 (or complex); every function keeps the array library and the dtype and allocates
-only its output. The operators are tensor products of one 1D operator per spatial axis, and each
+float32/float64 (or complex); every function keeps the array library and the dtype and returns
+a new C-contiguous array. Each applies one 1D operator per axis: on the CPU a Numba pass of its
+sparse rows, with CuPy a small dense matrix, a batched GEMM (the slice-by-slice application of
+the same terms is kept as the reference, ``_apply``). The operators are tensor products of one 1D operator per spatial axis, and each
 axis picks its grid convention from its size (so mixed axes work axis by axis):
 
 * **odd** n = 2m + 1: *vertex-centred* (geometric multigrid's 2^k - 1 grids: 31 -> 15 -> 7 -> 3).
@@ -109,7 +111,7 @@ def interpolate(e, fine_shape, interp="linear"):
     _check_name("interp", interp, INTERPS)
     _check_state("e", e, len(fine))
     _check_coarse("e", e, fine)
-    return _apply(e, e.shape[:2] + fine, _plan(fine, interp, None, True))
+    return _transfer(e, fine, interp, None, True)
 
 
 def interpolate_transpose(g, interp="linear"):
@@ -127,7 +129,7 @@ def interpolate_transpose(g, interp="linear"):
     _check_name("interp", interp, INTERPS)
     _check_state("g", g)
     fine = tuple(g.shape[2:])
-    return _apply(g, g.shape[:2] + coarse_shape(fine), _plan(fine, interp, None, False))
+    return _transfer(g, fine, interp, None, False)
 
 
 def restrict(u, interp="linear", restrict="full"):
@@ -147,7 +149,7 @@ def restrict(u, interp="linear", restrict="full"):
     _check_name("restrict", restrict, RESTRICTS)
     _check_state("u", u)
     fine = tuple(u.shape[2:])
-    return _apply(u, u.shape[:2] + coarse_shape(fine), _plan(fine, interp, restrict, False))
+    return _transfer(u, fine, interp, restrict, False)
 
 
 def restrict_transpose(v, fine_shape, interp="linear", restrict="full"):
@@ -168,7 +170,7 @@ def restrict_transpose(v, fine_shape, interp="linear", restrict="full"):
     _check_name("restrict", restrict, RESTRICTS)
     _check_state("v", v, len(fine))
     _check_coarse("v", v, fine)
-    return _apply(v, v.shape[:2] + fine, _plan(fine, interp, restrict, True))
+    return _transfer(v, fine, interp, restrict, True)
 
 
 # --- the 1D operators -----------------------------------------------------------------------
@@ -216,8 +218,93 @@ def _restrict_terms(n, interp, restrict):
     return [(f, c, w / 2) for f, c, w in _interp_terms(n, interp)]  # column sums of P all 2
 
 
+def _transfer(x, fine, interp, restrict, to_fine):
+    """The operator of (``interp``, ``restrict``: None for P and P^T) between the spatial shape
+    ``fine`` and its coarse shape, in direction ``to_fine``, applied to ``x`` (B, C, *in),
+    axis by axis: NumPy float/complex arrays through :func:`_transfer_sparse`, others (CuPy)
+    through :func:`_transfer_dense`; :func:`_apply` of :func:`_plan` is the reference of
+    both, slice by slice."""
+    xp = _array_module(x)
+    if xp is np and np.dtype(x.dtype).kind in "fc":
+        return _transfer_sparse(x, fine, interp, restrict, to_fine)
+    return _transfer_dense(x, fine, interp, restrict, to_fine, xp)
+
+
+def _transfer_dense(x, fine, interp, restrict, to_fine, xp):
+    """:func:`_transfer` as one dense 1D matrix per axis, a (batched) GEMM each (CuPy)."""
+    d = len(fine)
+    y = x
+    for k in reversed(range(d)):
+        A = _axis_matrix(fine[k], interp, restrict, to_fine, x.dtype, xp)
+        shape = y.shape
+        ax = y.ndim - d + k
+        pre, n = int(np.prod(shape[:ax])), shape[ax]
+        post = int(np.prod(shape[ax + 1:]))
+        if post == 1:
+            z = y.reshape(pre, n) @ A.T
+        else:
+            z = xp.matmul(A, y.reshape(pre, n, post))
+        y = z.reshape(shape[:ax] + (A.shape[0],) + shape[ax + 1:])
+    return y
+
+
+def _transfer_sparse(x, fine, interp, restrict, to_fine):
+    """:func:`_transfer` on the CPU: the sparse 1D operator of each axis (at most 4 terms a
+    row) in one Numba pass per axis."""
+    from .numba_cpu import apply_axis_operator
+    d = len(fine)
+    y = np.ascontiguousarray(x)
+    for k in reversed(range(d)):
+        indptr, cols, w = _axis_csr(fine[k], interp, restrict, to_fine, x.dtype)
+        shape = y.shape
+        ax = y.ndim - d + k
+        pre, n = int(np.prod(shape[:ax])), shape[ax]
+        post = int(np.prod(shape[ax + 1:]))
+        z = apply_axis_operator(y.reshape(pre, n, post), indptr, cols, w, len(indptr) - 1)
+        y = z.reshape(shape[:ax] + (len(indptr) - 1,) + shape[ax + 1:])
+    return y
+
+
+_CSR = {}  # (n, interp, restrict, to_fine, dtype) -> (indptr, cols, weights)
+
+
+def _axis_csr(n, interp, restrict, to_fine, dtype):
+    """The rows of :func:`_axis_matrix` (NumPy) in CSR form: (indptr, cols, weights)."""
+    key = (n, interp, restrict, to_fine, np.dtype(dtype).str)
+    got = _CSR.get(key)
+    if got is None:
+        A = _axis_matrix(n, interp, restrict, to_fine, np.float64, np)
+        rows, cols = np.nonzero(A)
+        indptr = np.searchsorted(rows, np.arange(A.shape[0] + 1)).astype(np.int64)
+        got = _CSR[key] = (indptr, cols.astype(np.int64), A[rows, cols].astype(dtype))
+    return got
+
+
+_MATRICES = {}  # (n, interp, restrict, to_fine, dtype, library) -> the 1D matrix there
+
+
+def _axis_matrix(n, interp, restrict, to_fine, dtype, xp):
+    """The 1D operator of one axis of ``n`` fine points as a dense (out, in) matrix of
+    ``dtype`` in array library ``xp``: T (n x m) with T[f, c] = the terms' weights
+    (:func:`_interp_terms` for ``restrict`` None, else :func:`_restrict_terms`), to the fine
+    grid T, from it T^T."""
+    key = (n, interp, restrict, to_fine, np.dtype(dtype).str, xp.__name__)
+    A = _MATRICES.get(key)
+    if A is None:
+        m = coarse_size(n)
+        T = np.zeros((n, m))
+        terms = _interp_terms(n, interp) if restrict is None else \
+            _restrict_terms(n, interp, restrict)
+        for f, c, w in terms:
+            T[np.arange(n)[f], np.arange(m)[c]] += float(w)
+        A = np.ascontiguousarray(T if to_fine else T.T).astype(dtype)
+        A = _MATRICES[key] = A if xp is np else xp.asarray(A)
+    return A
+
+
 def _apply(x, out_shape, plan):
-    """Run a :func:`_plan` on ``x`` into a new array of ``out_shape`` (x's library and dtype)."""
+    """Run a :func:`_plan` on ``x`` into a new array of ``out_shape`` (x's library and dtype):
+    the slice-by-slice reference of :func:`_transfer`."""
     xp = _array_module(x)
     out = xp.zeros(out_shape, dtype=x.dtype)
     for pairs, scale in plan:

@@ -231,7 +231,7 @@ def test_non_contiguous_input(rng):
 
 def test_cupy_arrays_stay_on_the_device():
     """On the fake cupy (NumPy-backed arrays that refuse to mix with host arrays): every function
-    returns a cupy array equal to the NumPy result."""
+    returns a cupy array equal to the NumPy result to round-off."""
     script = (
         "import numpy as np, cupy\n"
         "from mgnn.backend import grid_transfer as gt\n"
@@ -248,7 +248,8 @@ def test_cupy_arrays_stay_on_the_device():
         "                      lambda a, b: gt.interpolate_transpose(a, i)):\n"
         "                got = f(du, dv)\n"
         "                assert type(got) is cupy.ndarray, type(got)\n"
-        "                assert np.array_equal(cupy.asnumpy(got), f(u, v))\n"
+        "                want = f(u, v)  # the CPU path: the same terms, other order\n"
+        "                assert np.allclose(cupy.asnumpy(got), want, rtol=1e-14, atol=1e-15)\n"
         "print('ok')\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(REPO, "tests", "fakegpu"),
                                                        REPO]))
@@ -297,3 +298,35 @@ def test_bad_shapes_and_types():
         restrict(np.zeros((1, 1, 4, 4), dtype=np.int64))
     with pytest.raises(TypeError, match="NumPy or CuPy arrays, got list"):
         restrict([[[[0.0]]]])
+
+
+@pytest.mark.parametrize("fine", [(7, 7), (8, 6), (7, 8), (2, 3), (7, 5, 3), (8, 4, 6),
+                                  (5, 6, 7)])
+@pytest.mark.parametrize("interp, restrict_name", OPS)
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_matrix_path_equals_the_slice_reference(fine, interp, restrict_name, dtype, rng):
+    """The fast paths (Numba sparse rows on NumPy arrays; the per-axis GEMMs CuPy takes, run
+    here on NumPy) equal the slice-by-slice application of the same terms (``_apply`` of
+    ``_plan``) to round-off, in both directions, for P and R."""
+    from mgnn.backend.grid_transfer import _apply, _plan, _transfer_dense
+    coarse = coarse_shape(fine)
+    u = rng.standard_normal((3, 2) + fine).astype(dtype)
+    v = rng.standard_normal((3, 2) + coarse).astype(dtype)
+    tol = 1e-14 if dtype == np.float64 else 1e-6
+    pairs = [(restrict(u, interp, restrict_name), _apply(u, u.shape[:2] + coarse,
+                                                         _plan(fine, interp, restrict_name, False))),
+             (restrict_transpose(v, fine, interp, restrict_name),
+              _apply(v, v.shape[:2] + fine, _plan(fine, interp, restrict_name, True))),
+             (interpolate(v, fine, interp), _apply(v, v.shape[:2] + fine,
+                                                   _plan(fine, interp, None, True))),
+             (interpolate_transpose(u, interp), _apply(u, u.shape[:2] + coarse,
+                                                       _plan(fine, interp, None, False)))]
+    dense = [_transfer_dense(u, fine, interp, restrict_name, False, np),
+             _transfer_dense(v, fine, interp, restrict_name, True, np),
+             _transfer_dense(v, fine, interp, None, True, np),
+             _transfer_dense(u, fine, interp, None, False, np)]
+    for (got, want), other in zip(pairs, dense):
+        assert got.dtype == dtype and got.shape == want.shape and got.flags.c_contiguous
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
+        assert other.dtype == dtype and other.flags.c_contiguous
+        np.testing.assert_allclose(other, want, rtol=tol, atol=tol * np.abs(want).max())
