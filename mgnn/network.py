@@ -580,7 +580,8 @@ class SpatialForwardPropagator(_SpatialLevels, ForwardPropagator):
     def __init__(self, model, bk, ctx=None, spatial_levels=(0,), interp="linear",
                  restrict="full"):
         ForwardPropagator.__init__(self, model, bk, ctx)
-        self.stacked = self.batched = False
+        self.batched = False
+        self.captures = self.graphs = False
         self._spatial_setup(model, spatial_levels, interp, restrict)
 
     def restrict(self, u, level):

@@ -45,7 +45,17 @@ def test_coarse_steps_run_on_coarse_images():
         seen.add((level, u.shape[2:]))
         return step(u, start, stop, level)
 
+    def wrap(name):  # the stacked relaxation: stores (slots, B, C, *spatial)
+        inner = getattr(fp, name)
+
+        def recorded(U, *args):
+            seen.add((args[-1] if name == "advance" else args[-2], U.shape[3:]))
+            return inner(U, *args)
+        setattr(fp, name, recorded)
+
     fp.step = recording
+    wrap("advance")
+    wrap("points")
     from mgnn import MGRITSolver
     MGRITSolver(fp, 8, MGRITOptions(cf=2, max_levels=3, max_iter=1, tol=0.0,
                                     warn_not_converged=False)).solve(np.ones((2, 2, 15, 15)))
