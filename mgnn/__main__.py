@@ -41,7 +41,7 @@ def _train_parser(sub):
     a("--lr", type=float, default=None, help="learning rate (default 0.05 sgd, 0.003 adam)")
     a("--lr-schedule", choices=["constant", "cosine"], default="constant",
       help="constant --lr, or cosine decay from --lr to --lr-min over --lr-epochs")
-    a("--lr-min", type=float, default=0.0, help="cosine: the rate at the end (default 0)")
+    a("--lr-min", type=float, default=None, help="cosine: the rate at the end (default 0)")
     a("--lr-epochs", type=float, default=None, metavar="E",
       help="cosine: epochs the decay lasts, then --lr-min (default --epochs; give the planned "
            "total when a run will stop and --resume)")
@@ -248,7 +248,12 @@ def _check_args(args, parser):
     if getattr(args, "command", None) == "train":
         _nrelax(args)
         lr = args.lr if args.lr is not None else _default_lr(args.optimizer)
-        if args.lr_schedule == "cosine" and args.lr_min > lr:
+        if args.lr_schedule != "cosine":
+            for flag in ("lr_min", "lr_epochs"):
+                if getattr(args, flag) is not None:
+                    raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} needs "
+                                     "--lr-schedule cosine")
+        elif args.lr_min is not None and args.lr_min > lr:
             raise ValueError(f"--lr-min {args.lr_min} is above --lr {lr}")
         _spatial_levels(args)
         if args.batch_size < args.data_ranks:
@@ -328,8 +333,9 @@ def _check_memory(args, ds, layer_ranks):
 
 
 # options that change how a resumed run continues: checked against the checkpoint
-_RESUME_KEYS = ("lr", "lr_schedule", "lr_min", "lr_epochs", "batch_size", "momentum", "weight_decay", "data",
-                "volume_size", "limit_train", "seed", "warm_start", "sync_bn", "clip_grad")
+_RESUME_KEYS = ("lr", "lr_schedule", "lr_min", "lr_epochs", "batch_size", "momentum",
+                "weight_decay", "data", "volume_size", "limit_train", "seed", "warm_start",
+                "sync_bn", "clip_grad")
 
 
 def _resume_meta(args, lr):
@@ -338,8 +344,9 @@ def _resume_meta(args, lr):
     meta["lr"] = lr
     if args.lr_schedule == "constant":
         meta.pop("lr_min"), meta.pop("lr_epochs")
-    elif args.lr_epochs is None:
-        meta["lr_epochs"] = float(args.epochs)
+    else:
+        meta["lr_min"] = args.lr_min or 0.0
+        meta["lr_epochs"] = float(args.lr_epochs if args.lr_epochs is not None else args.epochs)
     if args.optimizer != "sgd":
         meta.pop("momentum")
     return meta
@@ -511,7 +518,8 @@ def cmd_train(args, comm=None):
                                              interp=args.interp, restrict=args.restrict))
     # after LayerParallel: the cuda backend has moved the parameters to the GPU
     opt = make_optimizer(args.optimizer, model.params.flat, lr, args.momentum, args.weight_decay)
-    schedule = make_lr_schedule(args.lr_schedule, lr, meta.get("lr_epochs"), args.lr_min)
+    schedule = make_lr_schedule(args.lr_schedule, lr, meta.get("lr_epochs"),
+                                meta.get("lr_min", 0.0))
     rng = np.random.default_rng(args.seed)
     start, step = 0, 0
     if ckpt is not None:
@@ -522,7 +530,8 @@ def cmd_train(args, comm=None):
                                          f"ResNet, N={args.layers} layers") + f", {n_params} parameters, "
         f"{args.dtype}, backend {args.backend}; data {ds.name}: {len(ds.y_train)} train / "
         f"{len(ds.y_test)} test; {args.optimizer} lr {lr}"
-        + (f" (cosine to {args.lr_min} over {schedule.epochs:g} epochs)" if schedule else "") + f", batch {args.batch_size}, "
+        + (f" (cosine to {schedule.lr_min:g} over {schedule.epochs:g} epochs)" if schedule
+           else "") + f", batch {args.batch_size}, "
         f"{args.epochs} epochs")
     if comm is not None:
         log(f"MPI: {lp.layout.size} ranks = {lp.layout.layer_size} layer ranks x "

@@ -224,7 +224,8 @@ def study_point(comm, cfg, repeats):
                 w, tot = comm.allreduce(w), comm.allreduce(tot)
             exposed = 100.0 * w / tot if tot > 0 else 0.0
         work = _work(cfg, fwd, bwd, obj)
-        rows.append({**work, "spatial": spatial,"method": name.split("-")[0] if name.startswith("pipeline") else name,
+        rows.append({**work, "spatial": spatial,
+                     "method": name.split("-")[0] if name.startswith("pipeline") else name,
                      "micro_batches": int(name.split("-")[1]) if name.startswith("pipeline")
                      else 0, "key": name, "ranks": P, "time_s": t, "exposed_halo_pct": exposed,
                      **phases,
@@ -451,8 +452,9 @@ def residual_histories(cfg, cycles=10):
     for levels in sorted({2, cfg["levels"]}):
         opts = MGRITOptions(cf=cfg["cf"], max_levels=levels, nrelax=[0, 1], tol=0.0,
                             max_iter=cycles)
+        depth = len(level_sizes(cfg["n_layers"], cfg["cf"], levels, opts.min_coarse))
         for spatial in ((), cfg.get("spatial") or ()):
-            if spatial and any(lev >= levels - 1 for lev in spatial):
+            if spatial and any(lev >= depth - 1 for lev in spatial):
                 continue  # that level does not exist in this hierarchy
             lp = LayerParallel(model, fwd=opts, bwd=opts, spatial_levels=spatial)
             lp.loss_and_grad(x, y)

@@ -324,6 +324,19 @@ def _add_timings(total, stats):
         total[k] = total.get(k, 0.0) + v
 
 
+def _scheduled_rate(schedule, epochs_done):
+    """``schedule(epochs_done)`` as a float, ValueError unless finite and >= 0."""
+    lr = schedule(epochs_done)
+    try:
+        ok = np.isfinite(float(lr)) and float(lr) >= 0
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"lr_schedule({epochs_done:g}) returned {lr!r}: a learning rate must be "
+                         "a finite number >= 0")
+    return float(lr)
+
+
 def fit(lp, optimizer, x_train, y_train, x_test, y_test, *, epochs, batch_size, rng,
         start_epoch=0, step=0, checkpoint=None, log=None, progress=True, meta=None,
         timings=None, clip_grad=None, lr_schedule=None):
@@ -371,7 +384,7 @@ def fit(lp, optimizer, x_train, y_train, x_test, y_test, *, epochs, batch_size, 
     if batch_size < replicas:
         raise ValueError(f"batch_size={batch_size} is smaller than the {replicas} data replicas")
     if lr_schedule is not None and not callable(lr_schedule):
-        raise TypeError(f"lr_schedule must be a callable(fraction) -> lr or None, got "
+        raise TypeError(f"lr_schedule must be a callable(epochs done) -> lr or None, got "
                         f"{type(lr_schedule).__name__}")
     if checkpoint:
         check_checkpoint_writable(checkpoint, lp)
@@ -403,7 +416,7 @@ def fit(lp, optimizer, x_train, y_train, x_test, y_test, *, epochs, batch_size, 
                 if norm > clip_grad:
                     grads.flat *= grads.flat.dtype.type(clip_grad / norm)
             if lr_schedule is not None:
-                optimizer.lr = float(lr_schedule(epoch + j / len(idx)))
+                optimizer.lr = _scheduled_rate(lr_schedule, epoch + j / len(idx))
             optimizer.step(grads.flat)
             total += loss
             step += 1

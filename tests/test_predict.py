@@ -240,8 +240,10 @@ def test_spatial_coarsening_is_predicted_from_its_own_calibration():
     cfg = default_config(model="conv", n_layers=16, channels=2, batch=4, cf=2, levels=3,
                          micro=(2,), spatial_levels=(0,))
     table = calibrate(cfg, repeats=1, log=None)
-    # the coarse level's single-state kernels were measured at the coarse grid's shape
-    assert any(k.startswith("forward|[4, 2, 14, 14]|") for k in table.entries)
+    # the coarse level's kernels were measured at the coarse grid's shape: the forward's
+    # stacked chains, the adjoint's single-state vjps (linearised at restricted states)
+    for op in ("chains_forward", "vjp_state"):
+        assert any(k.startswith(f"{op}|[4, 2, 14, 14]|") for k in table.entries), op
     one, two = (predict_point(cfg, table, "mgrit", P)["time"] for P in (1, 2))
     assert 0 < two < one
     plain = dict(cfg, spatial_levels=())

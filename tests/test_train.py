@@ -226,3 +226,10 @@ def test_fit_sets_the_rate_from_the_fraction_of_the_run_done():
     with pytest.raises(TypeError, match="lr_schedule must be a callable"):
         mgnn.fit(lp, opt, x, ds.y_train, xt, ds.y_test, epochs=1, batch_size=16,
                  rng=np.random.default_rng(0), lr_schedule=0.1)
+    before = model.params.flat.copy()
+    for bad in (-1.0, float("nan"), "fast"):
+        with pytest.raises(ValueError, match=r"lr_schedule\(0\) returned .*finite number >= 0"):
+            mgnn.fit(lp, opt, x, ds.y_train, xt, ds.y_test, epochs=1, batch_size=16,
+                     rng=np.random.default_rng(0), progress=False,
+                     lr_schedule=lambda e, bad=bad: bad)
+    np.testing.assert_array_equal(model.params.flat, before)  # nothing stepped

@@ -225,9 +225,19 @@ def _transfer(x, fine, interp, restrict, to_fine):
     through :func:`_transfer_dense`; :func:`_apply` of :func:`_plan` is the reference of
     both, slice by slice."""
     xp = _array_module(x)
-    if xp is np and np.dtype(x.dtype).kind in "fc":
-        return _transfer_sparse(x, fine, interp, restrict, to_fine)
+    if xp is np:
+        if x.dtype.str[1:] in _NUMBA_DTYPES:
+            return _transfer_sparse(x, fine, interp, restrict, to_fine)
+        return _apply(x, x.shape[:2] + _out_shape(fine, to_fine), _plan(fine, interp, restrict,
+                                                                         to_fine))
     return _transfer_dense(x, fine, interp, restrict, to_fine, xp)
+
+
+_NUMBA_DTYPES = ("f4", "f8", "c8", "c16")  # the Numba pass's dtypes; others take the slices
+
+
+def _out_shape(fine, to_fine):
+    return tuple(fine) if to_fine else coarse_shape(fine)
 
 
 def _transfer_dense(x, fine, interp, restrict, to_fine, xp):
@@ -288,7 +298,8 @@ def _axis_matrix(n, interp, restrict, to_fine, dtype, xp):
     ``dtype`` in array library ``xp``: T (n x m) with T[f, c] = the terms' weights
     (:func:`_interp_terms` for ``restrict`` None, else :func:`_restrict_terms`), to the fine
     grid T, from it T^T."""
-    key = (n, interp, restrict, to_fine, np.dtype(dtype).str, xp.__name__)
+    key = (n, interp, restrict, to_fine, np.dtype(dtype).str, xp.__name__,
+           None if xp is np else xp.cuda.Device().id)  # a matrix lives on one device
     A = _MATRICES.get(key)
     if A is None:
         m = coarse_size(n)

@@ -1,4 +1,6 @@
 """Pure index maths of the MGRIT level hierarchy (no arrays, no MPI)."""
+import math
+
 
 
 def level_sizes(n_steps, cf, max_levels, min_coarse):
@@ -62,6 +64,21 @@ def step_weights(sizes, cf, nrelax, skip=False, cycle="V"):
     return every, into_f, solves[0]
 
 
+def level_costs(level_cost, n_levels):
+    """``level_cost`` (None, or one cost per level in fine-step equivalents) as a list of
+    ``n_levels`` finite floats >= 0 (None: all 1); ValueError naming the value."""
+    if level_cost is None:
+        return [1.0] * n_levels
+    try:
+        c = [float(v) for v in level_cost]
+    except (TypeError, ValueError):
+        raise ValueError(f"level_cost must be a sequence of numbers, got {level_cost!r}") from None
+    if len(c) != n_levels or not all(math.isfinite(v) and v >= 0 for v in c):
+        raise ValueError(f"level_cost must hold {n_levels} finite numbers >= 0 (one per level), "
+                         f"got {level_cost!r}")
+    return c
+
+
 def cycle_work(sizes, cf, nrelax, skip=False, cycle="V", level=0, level_cost=None):
     """Propagator steps of one cycle (the cost model of :class:`MGRITSolver`).
 
@@ -91,10 +108,7 @@ def cycle_work(sizes, cf, nrelax, skip=False, cycle="V", level=0, level_cost=Non
         coarsest solve. The final F-relaxation of a solve (n_0 - n_1) is not included.
         Per step: :func:`step_weights`.
     """
-    if level_cost is not None and len(level_cost) != len(sizes):
-        raise ValueError(f"level_cost needs one entry per level ({len(sizes)}), got "
-                         f"{level_cost!r}")
-    cost = [1] * len(sizes) if level_cost is None else list(level_cost)
+    cost = [1] * len(sizes) if level_cost is None else level_costs(level_cost, len(sizes))
     cost, sizes = cost[level:], list(sizes[level:])
     every, into_f, solves = step_weights(sizes, cf, lambda lev: nrelax(lev + level), skip, cycle)
     nxt = sizes[1:] + [sizes[-1]]
@@ -113,9 +127,7 @@ def cycle_critical_path(sizes, nrelax, ranks, skip=False, level_cost=None):
     steps.
     """
     L = len(sizes)
-    cost = [1.0] * L if level_cost is None else [float(c) for c in level_cost]
-    if len(cost) != L:
-        raise ValueError(f"level_cost needs one entry per level ({L}), got {level_cost!r}")
+    cost = level_costs(level_cost, L)
 
     def share(work, lev):
         p = min(ranks, sizes[lev] + 1)
@@ -141,11 +153,12 @@ def solve_critical_path(sizes, nrelax, ranks, cycles, skip=False, level_cost=Non
     """(steps, messages) of a whole solve: ``cycles`` cycles (the first cascadic if ``skip``) and
     the final F-relaxation (a sequential chain of N steps when there is a single level);
     ``level_cost`` as in :func:`cycle_critical_path`."""
+    cost = level_costs(level_cost, len(sizes))
     if len(sizes) == 1:
-        return float(sizes[0]), float(min(ranks, sizes[0] + 1) - 1)
+        return cost[0] * sizes[0], float(min(ranks, sizes[0] + 1) - 1)
     steps = msgs = 0.0
     for k in range(cycles):
-        s, m = cycle_critical_path(sizes, nrelax, ranks, skip and k == 0, level_cost)
+        s, m = cycle_critical_path(sizes, nrelax, ranks, skip and k == 0, cost)
         steps, msgs = steps + s, msgs + m
     p = min(ranks, sizes[0] + 1)
-    return steps + (sizes[0] - sizes[1]) / p, msgs + (1 if p > 1 else 0)
+    return steps + cost[0] * (sizes[0] - sizes[1]) / p, msgs + (1 if p > 1 else 0)

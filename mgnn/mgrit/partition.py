@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .hierarchy import step_weights
+from .hierarchy import level_costs, step_weights
 
 
 def block_starts(n_points, n_blocks, align=1):
@@ -65,21 +65,6 @@ def _nrelax_fn(nrelax):
     for v in seq:
         _positive_int("nrelax", v, 0)
     return lambda lev: int(seq[min(lev, len(seq) - 1)])
-
-
-def level_costs(level_cost, n_levels):
-    """``level_cost`` (None, or one cost per level in fine-step equivalents) as a list of
-    ``n_levels`` finite floats >= 0 (None: all 1); ValueError naming the value."""
-    if level_cost is None:
-        return [1.0] * n_levels
-    try:
-        c = [float(v) for v in level_cost]
-    except (TypeError, ValueError):
-        raise ValueError(f"level_cost must be a sequence of numbers, got {level_cost!r}") from None
-    if len(c) != n_levels or not all(np.isfinite(v) and v >= 0 for v in c):
-        raise ValueError(f"level_cost must hold {n_levels} finite numbers >= 0 (one per level), "
-                         f"got {level_cost!r}")
-    return c
 
 
 def layer_work(n_steps, cf=1, sizes=None, nrelax=1, skip=False, cycle="V",

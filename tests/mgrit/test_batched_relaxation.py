@@ -111,6 +111,31 @@ def test_network_batched_and_stacked_equal_unbatched(kind, rng, monkeypatch):
         np.testing.assert_allclose(g_s[k], g0[k], rtol=1e-11, atol=1e-13, err_msg=k)
 
 
+@pytest.mark.parametrize("size, spatial", [((8, 8), (0,)), ((7, 7), (0, 1))])
+def test_spatial_stacked_forward_equals_the_list_engine(size, spatial, rng, monkeypatch):
+    """With spatial coarsening the forward solve keeps the stacked engine (per-level stores of
+    the coarse shapes); at a fixed cycle budget (2/1 cycles: a wrong coarse correction would
+    show) it equals the list engine to round-off, loss, gradients and residuals."""
+    from mgnn import network
+    m = mgnn.conv_resnet(1, 2, size, 3, 8, seed=3)
+    x, y = rng.standard_normal((3, 1) + size), rng.integers(0, 3, 3)
+    fwd = MGRITOptions(cf=2, max_levels=3, max_iter=2, tol=0.0, warn_not_converged=False)
+    bwd = MGRITOptions(cf=2, max_levels=3, max_iter=1, tol=0.0, warn_not_converged=False)
+    stacked = mgnn.LayerParallel(m, fwd, bwd, backend="numba", spatial_levels=spatial)
+    loss_s, g_s = stacked.loss_and_grad(x, y)
+    assert stacked._solver("forward", fwd).engine.stacked
+    monkeypatch.setattr(network, "_has_stacked", lambda bk: False)
+    listed = mgnn.LayerParallel(m, fwd, bwd, backend="numba", spatial_levels=spatial)
+    loss0, g0 = listed.loss_and_grad(x, y)
+    assert not listed._solver("forward", fwd).engine.stacked
+    assert abs(loss_s - loss0) <= 1e-13 * abs(loss0)
+    for k in g0:
+        np.testing.assert_allclose(g_s[k], g0[k], rtol=1e-11, atol=1e-13, err_msg=k)
+    for part in ("forward", "adjoint"):
+        np.testing.assert_allclose(stacked.stats[part]["residuals"],
+                                   listed.stats[part]["residuals"], rtol=1e-12)
+
+
 @pytest.mark.parametrize("kind", ["dense", "conv"])
 def test_emulated_gpu_training_step_equals_numba(kind, rng):
     """The whole MGRIT training step through the GPU kernels and their stacked launches (host

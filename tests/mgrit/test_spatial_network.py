@@ -57,9 +57,11 @@ def test_coarse_steps_run_on_coarse_images():
     wrap("advance")
     wrap("points")
     from mgnn import MGRITSolver
-    MGRITSolver(fp, 8, MGRITOptions(cf=2, max_levels=3, max_iter=1, tol=0.0,
-                                    warn_not_converged=False)).solve(np.ones((2, 2, 15, 15)))
+    solver = MGRITSolver(fp, 8, MGRITOptions(cf=2, max_levels=3, max_iter=1, tol=0.0,
+                                             warn_not_converged=False))
+    solver.solve(np.ones((2, 2, 15, 15)))
     assert seen == {(0, (15, 15)), (1, (7, 7)), (2, (3, 3))}
+    assert solver.engine.stacked  # the stacked relaxation ran on the coarse stores
 
 
 @pytest.mark.parametrize("size, interp, restrict", [

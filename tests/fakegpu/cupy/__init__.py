@@ -150,11 +150,6 @@ def zeros_like(a, dtype=None):
     return np.zeros(a.shape, dtype=dtype or a.dtype).view(ndarray)
 
 
-def tensordot(a, b, axes=2):
-    _no_host_arrays("tensordot", (a, b))
-    return np.tensordot(np.asarray(a), np.asarray(b), axes).view(ndarray)
-
-
 def ones_like(a, dtype=None):
     return np.ones(a.shape, dtype=dtype or a.dtype).view(ndarray)
 
