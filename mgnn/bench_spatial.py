@@ -6,6 +6,9 @@
   d = 2 or 3; counted from the propagators' actual calls).
 * :func:`training_step`: one setting timed as a user runs it (serial, or every rank of
   ``mpiexec -n P``): time per training step and both residual histories.
+* :func:`mgrit_comparison` (``bench mgrit``'s conv rows): serial, MGRIT and MGRIT with spatial
+  coarsening at the same settings, time per training step against the work in fine-step
+  equivalents.
 """
 import time
 

@@ -550,9 +550,10 @@ class _SpatialLevels:
 
     States (B, C, *spatial) with 2 or 3 spatial axes; transfers of
     :mod:`mgnn.backend.grid_transfer` (odd sizes vertex-centred, even sizes cell-centred).
-    Coarse steps apply the same kernels to the coarse grid. The single-state protocol only (no
-    stacked stores or batched waves: the coarse levels' shapes differ) and a sequential
-    coarsest level.
+    Coarse steps apply the same kernels to the coarse grid. The forward propagator keeps the
+    stacked protocol (one store per level, of that level's shape); the adjoint one, which
+    linearises coarse steps at restricted states, the single-state protocol. No batched waves,
+    no captured cycles, and a sequential coarsest level.
     """
 
     stacked = batched = False
@@ -706,8 +707,10 @@ class LayerParallel:
         level l + 1 holds images of half the resolution per axis (odd sizes 2m + 1 vertex-
         centred, even sizes 2m cell-centred, both to m: :mod:`mgnn.backend.grid_transfer`), in
         the forward and the adjoint solve; coarse steps apply the same kernels on the coarse
-        grid. Default () (none). Every level must be below the options' last level. The
-        single-state propagator protocol and a sequential coarsest level are used then.
+        grid. Default () (none). Every level must be below the options' last level. The forward
+        solve then runs the stacked engine on per-level stores, the adjoint the single-state
+        protocol, the coarsest level is sequential, and the layer partition weighs each level's
+        steps by its pixel ratio (:attr:`level_cost`).
     interp : {'linear', 'nearest'}
         Interpolation of the spatial coarsening ((bi/tri)linear or nearest).
     restrict : {'full', 'injection'}
