@@ -552,8 +552,8 @@ class _SpatialLevels:
     :mod:`mgnn.backend.grid_transfer` (odd sizes vertex-centred, even sizes cell-centred).
     Coarse steps apply the same kernels to the coarse grid. The forward propagator keeps the
     stacked protocol (one store per level, of that level's shape); the adjoint one, which
-    linearises coarse steps at restricted states, the single-state protocol. No batched waves,
-    no captured cycles, and a sequential coarsest level.
+    linearises coarse steps at restricted states, the list protocol with batched waves where
+    the backend batches (``step_batch``). No captured cycles, and a sequential coarsest level.
     """
 
     stacked = batched = False
@@ -581,7 +581,6 @@ class SpatialForwardPropagator(_SpatialLevels, ForwardPropagator):
     def __init__(self, model, bk, ctx=None, spatial_levels=(0,), interp="linear",
                  restrict="full"):
         ForwardPropagator.__init__(self, model, bk, ctx)
-        self.batched = False
         self.captures = self.graphs = False
         self._spatial_setup(model, spatial_levels, interp, restrict)
 
@@ -608,7 +607,7 @@ class SpatialAdjointPropagator(_SpatialLevels, AdjointPropagator):
     def __init__(self, model, states, derivs, bk, ctx=None, spatial_levels=(0,),
                  interp="linear", restrict="full"):
         AdjointPropagator.__init__(self, model, states, derivs, bk, ctx)
-        self.stacked = self.batched = False
+        self.stacked = self.captures = self.graphs = False  # batched waves stay
         self._spatial_setup(model, spatial_levels, interp, restrict)
         self._coarse = {}  # (n, k) -> (R^k u_n, its linearisation cache), for this solve
 
@@ -637,6 +636,17 @@ class SpatialAdjointPropagator(_SpatialLevels, AdjointPropagator):
                 u = grid_transfer.restrict(u, self.interp, self.restrict_kind)
             hit = self._coarse[key] = (u, self.kind.linearize(self.P, n, u, self.bk, self.ctx))
         return hit
+
+    def step_batch(self, lams, starts, stops, level, rhs=None):
+        """:meth:`AdjointPropagator.step_batch`; on a level coarsened k times with sigma' at
+        R^k u_n (:meth:`_coarse_cache`)."""
+        k = self.coarsenings(level)
+        if k == 0:
+            return AdjointPropagator.step_batch(self, lams, starts, stops, level, rhs)
+        h = self.dtype.type((stops[0] - starts[0]) * self.h)
+        layers = [self.N - stop for stop in stops]
+        derivs = [self._coarse_cache(n, k)[1] for n in layers]
+        return self.kind.vjp_state_batched(self.W, lams, derivs, layers, h, self.bk, rhs)
 
     def step(self, lam, start, stop, level):
         k = self.coarsenings(level)
@@ -708,8 +718,8 @@ class LayerParallel:
         centred, even sizes 2m cell-centred, both to m: :mod:`mgnn.backend.grid_transfer`), in
         the forward and the adjoint solve; coarse steps apply the same kernels on the coarse
         grid. Default () (none). Every level must be below the options' last level. The forward
-        solve then runs the stacked engine on per-level stores, the adjoint the single-state
-        protocol, the coarsest level is sequential, and the layer partition weighs each level's
+        solve then runs the stacked engine on per-level stores, the adjoint the list engine
+        (batched waves on a batching backend), the coarsest level is sequential, and the layer partition weighs each level's
         steps by its pixel ratio (:attr:`level_cost`).
     interp : {'linear', 'nearest'}
         Interpolation of the spatial coarsening ((bi/tri)linear or nearest).
