@@ -270,6 +270,29 @@ def bench_gru_step(batch=64, hidden=128, tiny=(4, 4), dtype="float32", seed=0):
              "ratio": t_tiny_np / t_tiny, "target": "<= 10 us/step"}]
 
 
+def bench_gru_sequence(seq_len=1024, batch=4, hidden=4, dtype="float32", seed=0, repeats=5):
+    """Microseconds per time step of a whole training step (forward, adjoint, parameter
+    gradients: ``loss_and_grad``) of a tiny GRU over ``seq_len`` steps: serially (the
+    whole-sequence sweeps, one call each way) and with MGRIT (2 levels, cf 4, 2 forward / 1
+    adjoint cycles, one process). The per-step target of issue 13 is <= 10 us."""
+    from .mgrit import MGRITOptions
+    from .network import gru_classifier
+    rng = np.random.default_rng(seed)
+    model = gru_classifier(4, hidden, 4, seq_len, dtype=dtype, seed=seed)
+    x = rng.standard_normal((batch, seq_len, 4)).astype(model.dtype)
+    y = rng.integers(0, 4, batch)
+    o = dict(cf=4, max_levels=2, nrelax=[0, 1], tol=0.0, warn_not_converged=False)
+    rows = []
+    for name, fwd, bwd in (("serial", None, None),
+                           ("MGRIT", MGRITOptions(max_iter=2, **o), MGRITOptions(max_iter=1, **o))):
+        lp = LayerParallel(model, fwd=fwd, bwd=bwd)
+        t = median_time(lambda: lp.loss_and_grad(x, y), repeats=repeats, warmup=1)
+        rows.append({"name": f"tiny GRU training step per time step, {name}, B={batch} "
+                             f"H={hidden} L={seq_len} {np.dtype(dtype).name}",
+                     "time_us": 1e6 * t / seq_len, "target": "<= 10 us/step"})
+    return rows
+
+
 def _blas_threads(n):
     """Context limiting BLAS threads to ``n`` (threadpoolctl), or a no-op if it is missing."""
     try:
@@ -300,6 +323,7 @@ def run_kernels(quick=False):
         out.append(bench_conv3d_kernel(**CONV3D_STEP))
         out.append(bench_bn_conv())
         out += bench_gru_step()
+        out += bench_gru_sequence()
     return out
 
 

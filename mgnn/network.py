@@ -949,6 +949,10 @@ class LayerParallel:
             D = self.xp.empty((m.n_layers if store else 0,) + u0.shape, dtype=m.dtype)
             kind.sweep_forward(steps["weight"], steps["bias"], U, m.h, D, self.bk)
             return U, D
+        sweep = getattr(kind, "sweep_forward_layers", None)  # one call for the whole sequence
+        D = None if sweep is None else sweep(steps, U, m.h, store, self.bk, ctx)
+        if D is not None:
+            return U, D
         D = [None] * m.n_layers
         for n in range(m.n_layers):
             if store:
@@ -976,11 +980,17 @@ class LayerParallel:
                                         grads["steps.weight"], grads["steps.bias"], bk)
         else:  # state vjps layer after layer, then every parameter gradient in one call
             G = grads.group(m.step_prefix)
-            lams = [None] * m.n_layers + [lam]
-            for n in range(m.n_layers - 1, -1, -1):
-                lams[n] = m.step.vjp_state_layer(steps, n, D[n], lams[n + 1], m.h, bk, self.ctx)
-            m.step.vjp_params_steps(steps, range(m.n_layers), U, D, lams, m.h, bk, self.ctx, G)
-            lam = lams[0]
+            sweep = getattr(m.step, "sweep_backward_layers", None)  # or one call for it all
+            lam0 = None if sweep is None else sweep(steps, U, D, lam, m.h, bk, self.ctx, G)
+            if lam0 is None:
+                lams = [None] * m.n_layers + [lam]
+                for n in range(m.n_layers - 1, -1, -1):
+                    lams[n] = m.step.vjp_state_layer(steps, n, D[n], lams[n + 1], m.h, bk,
+                                                     self.ctx)
+                m.step.vjp_params_steps(steps, range(m.n_layers), U, D, lams, m.h, bk,
+                                        self.ctx, G)
+                lam0 = lams[0]
+            lam = lam0
             self._commit_buffers(range(m.n_layers), D)
         _, go = m.opening.vjp(m.group("opening"), x, d_open, lam, bk)
         for prefix, gd in (("opening", go), ("closing", gc)):

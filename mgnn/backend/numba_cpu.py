@@ -29,7 +29,8 @@ def overload(fn, **options):
     return _overload(fn, **options)
 
 from . import tape as _T
-from .numpy_ref import _int, bn_dims, check_stacked, conv3d_check, gate_check
+from .numpy_ref import (_int, bn_dims, check_stacked, conv3d_check, gate_check,
+                        recurrent_sweep_check)
 
 name = "numba"
 xp = np  #: array module of this backend
@@ -1841,3 +1842,91 @@ def apply_axis_operator(x, indptr, cols, weights, m):
     applied along axis 1 of ``x`` (pre, n, post), C-contiguous: a new (pre, m, post) array
     (the grid transfers of :mod:`mgnn.backend.grid_transfer` on the CPU)."""
     return _axis_operator(x, indptr, cols, weights, m)
+
+
+@njit(cache=True)
+def _sweep_fwd(cell, gi0, U, WihT, WhhT, bih, bhh, D, dt, mode):
+    L, B, nl, H = U.shape[0] - 1, U.shape[1], U.shape[2], U.shape[3]
+    GH = WhhT.shape[2]
+    one, dt = _typed(U, dt)
+    hk, inp = np.empty((B, H), U.dtype), np.empty((B, H), U.dtype)
+    gi, out = np.empty((B, GH), U.dtype), np.empty((B, H), U.dtype)
+    cache = np.empty((B, 4 * H if cell == 0 else H), U.dtype)
+    store = D.shape[0] > 0
+    for n in range(L):
+        for k in range(nl):
+            for b in range(B):
+                for j in range(H):
+                    hk[b, j] = U[n, b, k, j]
+            gh = np.dot(hk, WhhT[k])
+            if k == 0:
+                for b in range(B):
+                    for j in range(GH):
+                        gi[b, j] = gi0[b, n, j]
+            else:
+                gi = np.dot(inp, WihT[k])
+                for b in range(B):
+                    for j in range(GH):
+                        gi[b, j] += bih[k, j]
+            for b in range(B):
+                for j in range(GH):
+                    gh[b, j] += bhh[k, j]
+                if cell == 0:
+                    _gru_fwd_row(b, gi, gh, hk, out, cache, dt, mode, one)
+                else:
+                    _rnn_fwd_row(b, gi, gh, hk, out, cache, dt, one)
+                for j in range(H):
+                    U[n + 1, b, k, j] = out[b, j]
+                    inp[b, j] = out[b, j]
+                if store:
+                    for j in range(cache.shape[1]):
+                        D[n, k, b, j] = cache[b, j]
+
+
+@njit(cache=True)
+def _sweep_back(cell, lam, U, D, Wih, Whh, dt, mode, DGI, DGH):
+    L, nl, B, H = D.shape[0], D.shape[1], D.shape[2], lam.shape[2]
+    GH = Whh.shape[1]
+    one, dt = _typed(lam, dt)
+    lam = lam.copy()
+    out = np.empty_like(lam)
+    g, hk, dh = np.empty((B, H), lam.dtype), np.empty((B, H), lam.dtype), np.empty((B, H), lam.dtype)
+    dgi, dgh = np.empty((B, GH), lam.dtype), np.empty((B, GH), lam.dtype)
+    carry = np.zeros((B, H), lam.dtype)
+    for n in range(L - 1, -1, -1):
+        for k in range(nl - 1, -1, -1):
+            for b in range(B):
+                for j in range(H):
+                    g[b, j] = lam[b, k, j] + (carry[b, j] if k < nl - 1 else 0)
+                    hk[b, j] = U[n, b, k, j]
+                if cell == 0:
+                    _gru_vjp_row(b, g, hk, D[n, k], dh, dgi, dgh, dt, mode, one)
+                else:
+                    _rnn_vjp_row(b, g, D[n, k], dh, dgi, dt, one)
+                    for j in range(GH):
+                        dgh[b, j] = dgi[b, j]
+            back = np.dot(dgh, Whh[k])
+            for b in range(B):
+                for j in range(H):
+                    out[b, k, j] = dh[b, j] + back[b, j]
+                for j in range(GH):
+                    DGI[n, k, b, j] = dgi[b, j]
+                    DGH[n, k, b, j] = dgh[b, j]
+            if k > 0:
+                carry[:, :] = np.dot(dgi, Wih[k])
+        lam[:, :, :] = out
+    return lam
+
+
+def recurrent_sweep_forward(cell, gi0, U, WihT, WhhT, bih, bhh, D, dt, mode):
+    """One Numba call per sequence (GEMMs through BLAS ``np.dot``); contract of
+    :func:`mgnn.backend.numpy_ref.recurrent_sweep_forward`."""
+    recurrent_sweep_check(cell, gi0, U, WihT, WhhT, bih, bhh, D)
+    _sweep_fwd(cell, gi0, U, WihT, WhhT, bih, bhh, D, float(dt), int(mode))
+
+
+def recurrent_sweep_backward(cell, lam, U, D, Wih, Whh, dt, mode, DGI, DGH):
+    """One Numba call per sequence; contract of
+    :func:`mgnn.backend.numpy_ref.recurrent_sweep_backward`."""
+    return _sweep_back(cell, np.ascontiguousarray(lam), U, D, Wih, Whh, float(dt), int(mode),
+                       DGI, DGH)

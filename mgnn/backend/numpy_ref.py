@@ -886,3 +886,74 @@ def rnn_gates_vjp(g, h, deriv, dt):
     gh). h (B, H) is only checked (kept for the GRU's signature)."""
     B, H, dt, _ = gate_check(h, dt, 0, g=(g, 1), deriv=(deriv, 1))
     return g * (1 - dt), g * dt * deriv
+
+
+# --- whole-sequence recurrent sweeps (serial training: one call per sequence) ----------------
+# cell 0 = GRU (gates r, z, n; caches (B, 4H): r, z, n, gh_n), 1 = tanh RNN (caches (B, H):
+# 1 - tanh^2). Layer k of step n reads layer k-1's new hidden state (layer 0 the input
+# projection gi0[:, n], computed outside: it does not depend on the state).
+
+def recurrent_sweep_check(cell, gi0, U, WihT, WhhT, bih, bhh, D):
+    """Validate a sweep call; returns (L, B, nl, H, G). Shapes: gi0 (B, L, G H), U (L + 1, B,
+    nl, H), WihT / WhhT (nl, H, G H) (WihT[0] unused), bih / bhh (nl, G H), D (L, nl, B, C H)
+    with C = 4 (GRU) or 1 (RNN), or a 0-length first axis (no caches). One float dtype, all
+    C-contiguous."""
+    if cell not in (0, 1):
+        raise ValueError(f"cell must be 0 (GRU) or 1 (RNN), got {cell!r}")
+    L1, B, nl, H = U.shape
+    G, C = (3, 4) if cell == 0 else (1, 1)
+    want = {"gi0": (gi0, (B, L1 - 1, G * H)), "WihT": (WihT, (nl, H, G * H)),
+            "WhhT": (WhhT, (nl, H, G * H)), "bih": (bih, (nl, G * H)), "bhh": (bhh, (nl, G * H))}
+    if D.shape[0]:
+        want["D"] = (D, (L1 - 1, nl, B, C * H))
+    for name, (a, shape) in [("U", (U, U.shape))] + list(want.items()):
+        if a.shape != shape or a.dtype != U.dtype or a.dtype.char not in "fd" or \
+                not a.flags.c_contiguous:
+            raise ValueError(f"{name} must be a C-contiguous {U.dtype} array of shape {shape}, "
+                             f"got {a.dtype} {a.shape}")
+    return L1 - 1, B, nl, H, G
+
+
+def recurrent_sweep_forward(cell, gi0, U, WihT, WhhT, bih, bhh, D, dt, mode):
+    """U[n + 1] = the step of every layer out of U[n] for n = 0..L-1 (in place), and D[n, k]
+    the gate caches (if D has L rows). Reference: the gate kernels step after step."""
+    L, B, nl, H, G = recurrent_sweep_check(cell, gi0, U, WihT, WhhT, bih, bhh, D)
+    for n in range(L):
+        inp = None
+        for k in range(nl):
+            gi = gi0[:, n] if k == 0 else inp @ WihT[k] + bih[k]
+            hk = np.ascontiguousarray(U[n, :, k])
+            gh = hk @ WhhT[k] + bhh[k]
+            if cell == 0:
+                out, cache = gru_gates_forward(np.ascontiguousarray(gi), gh, hk, dt, mode)
+            else:
+                out, cache = rnn_gates_forward(np.ascontiguousarray(gi), gh, hk, dt)
+            U[n + 1, :, k] = out
+            if D.shape[0]:
+                D[n, k] = cache.reshape(B, -1)
+            inp = out
+
+
+def recurrent_sweep_backward(cell, lam, U, D, Wih, Whh, dt, mode, DGI, DGH):
+    """The adjoint sweep of :func:`recurrent_sweep_forward` from the cotangent ``lam`` (B, nl, H)
+    of U[L]: returns that of U[0]; DGI[n, k], DGH[n, k] (L, nl, B, G H) receive the cotangents of
+    the input and hidden projections of layer k at step n (the parameter gradients are GEMMs of
+    them). Wih / Whh (nl, G H, H) (Wih[0] unused); D the forward's caches."""
+    L, nl, B = D.shape[0], D.shape[1], D.shape[2]
+    H = lam.shape[2]
+    for n in range(L - 1, -1, -1):
+        out = np.empty_like(lam)
+        carry = None
+        for k in range(nl - 1, -1, -1):
+            g = np.ascontiguousarray(lam[:, k]) if carry is None else lam[:, k] + carry
+            hk = np.ascontiguousarray(U[n, :, k])
+            if cell == 0:
+                dh, dgi, dgh = gru_gates_vjp(g, hk, D[n, k].reshape(B, 4, H), dt, mode)
+            else:
+                dh, dgi = rnn_gates_vjp(g, hk, np.ascontiguousarray(D[n, k]), dt)
+                dgh = dgi
+            out[:, k] = dh + dgh @ Whh[k]
+            DGI[n, k], DGH[n, k] = dgi, dgh
+            carry = dgi @ Wih[k] if k > 0 else None
+        lam = out
+    return lam

@@ -178,6 +178,66 @@ class RecurrentStep:
             carry = dgi @ P[f"weight_ih_l{k}"] if k > 0 else None
         return out
 
+    # ------------------------------------------------------------------ whole-sequence sweeps
+    def _stacked_weights(self, P, transposed):
+        """(W_ih, W_hh) of every layer stacked (nl, G H, H) (``transposed``: (nl, H, G H)),
+        W_ih of layer 0 (it reads x, through the input projection) as zeros."""
+        xp = _xp(P["weight_hh_l0"])
+        GH, H = self.gates * self.hidden, self.hidden
+        ih = [xp.zeros((GH, H), P["weight_hh_l0"].dtype)] + \
+            [P[f"weight_ih_l{k}"] for k in range(1, self.n_layers)]
+        hh = [P[f"weight_hh_l{k}"] for k in range(self.n_layers)]
+        if transposed:
+            return (xp.ascontiguousarray(xp.stack(ih).transpose(0, 2, 1)),
+                    xp.ascontiguousarray(xp.stack(hh).transpose(0, 2, 1)))
+        return xp.stack(ih), xp.stack(hh)
+
+    def sweep_forward_layers(self, P, U, h, store, bk, ctx):
+        """Serial propagation over every step in one backend call (``recurrent_sweep_forward``):
+        fills U[1:] (U (L + 1, B, nl, H), U[0] given) and returns the caches (L, nl, B, C H)
+        (empty unless ``store``), or None where the backend has no sweep (the caller then steps
+        layer after layer)."""
+        sweep = getattr(bk, "recurrent_sweep_forward", None)
+        if sweep is None or is_device_array(U):
+            return None
+        dt, mode = self._rule(h)
+        L, B = U.shape[0] - 1, U.shape[1]
+        WihT, WhhT = self._stacked_weights(P, transposed=True)
+        bih = np.stack([P[f"bias_ih_l{k}"] for k in range(self.n_layers)])
+        bih[0] = 0  # layer 0's input bias is in the input projection
+        bhh = np.stack([P[f"bias_hh_l{k}"] for k in range(self.n_layers)])
+        C = 4 if self.cell != "rnn" else 1
+        D = np.empty((L if store else 0, self.n_layers, B, C * self.hidden), U.dtype)
+        sweep(0 if self.cell != "rnn" else 1, self._input_projection(P, ctx), U, WihT, WhhT,
+              bih, bhh, D, dt, mode)
+        return D
+
+    def sweep_backward_layers(self, P, U, D, lam, h, bk, ctx, G):
+        """The adjoint of :meth:`sweep_forward_layers` (caches ``D`` from it) in one backend
+        call, then G[name] = every parameter gradient (summed over the steps, one GEMM per
+        weight); returns the cotangent of U[0], or None where ``D`` is not a sweep's (the
+        caller then runs the step-by-step vjps)."""
+        sweep = getattr(bk, "recurrent_sweep_backward", None)
+        if sweep is None or not isinstance(D, np.ndarray):
+            return None
+        dt, mode = self._rule(h)
+        L, nl, B = D.shape[0], self.n_layers, U.shape[1]
+        H, GH = self.hidden, self.gates * self.hidden
+        Wih, Whh = self._stacked_weights(P, transposed=False)
+        DGI = np.empty((L, nl, B, GH), U.dtype)
+        DGH = np.empty_like(DGI)
+        lam0 = sweep(0 if self.cell != "rnn" else 1, lam, U, D, Wih, Whh, dt, mode, DGI, DGH)
+        x = ctx.x
+        for k in range(nl):
+            dgi, dgh = DGI[:, k].reshape(L * B, GH), DGH[:, k].reshape(L * B, GH)
+            inp = (x.transpose(1, 0, 2).reshape(L * B, -1) if k == 0 else
+                   U[1:, :, k - 1].reshape(L * B, H))  # rows in (step, sample) order
+            G[f"weight_ih_l{k}"][...] = dgi.T @ inp
+            G[f"bias_ih_l{k}"][...] = dgi.sum(axis=0)
+            G[f"weight_hh_l{k}"][...] = dgh.T @ U[:-1, :, k].reshape(L * B, H)
+            G[f"bias_hh_l{k}"][...] = dgh.sum(axis=0)
+        return lam0
+
     def vjp_state_layer(self, P, n, cache, lam, h, bk, ctx):
         """J_n^T lam: the cotangent of u_n from the cotangent ``lam`` of u_{n+1}."""
         return self._back(P, n, cache, lam, h, bk)

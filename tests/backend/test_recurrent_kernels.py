@@ -361,3 +361,13 @@ def test_gru_bench_row_runs_on_a_small_case():
     assert "GRU step" in format_results([step, tiny])
     for got, want in zip(*(f() for f in gru_step_case(3, 4, "float64"))):  # same step
         np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
+def test_gru_sequence_bench_rows_run_on_a_small_case():
+    """``bench kernels``' per-time-step rows of a whole training step, serial and MGRIT
+    (timings are reported, never asserted)."""
+    from mgnn.bench import bench_gru_sequence, format_results
+    rows = bench_gru_sequence(seq_len=16, repeats=1)
+    assert [r["name"].split(", ")[1] for r in rows] == ["serial", "MGRIT"]
+    assert all(r["time_us"] > 0 for r in rows)
+    assert "per time step" in format_results(rows)

@@ -1,0 +1,98 @@
+"""Whole-sequence recurrent sweeps (serial training: one backend call per sequence): the Numba
+kernels against the NumPy reference built from the gate kernels, and the model's serial step
+with the sweeps against the step-by-step protocol."""
+import numpy as np
+import pytest
+
+import mgnn
+from mgnn.backend import numba_cpu as NB, numpy_ref as REF
+
+
+def _case(cell, L, B, nl, H, dtype, rng):
+    G, C = (3, 4) if cell == 0 else (1, 1)
+    f = lambda *s, scale=1.0: (scale * rng.standard_normal(s)).astype(dtype)  # noqa: E731
+    return dict(gi0=f(B, L, G * H), WihT=f(nl, H, G * H, scale=0.4),
+                WhhT=f(nl, H, G * H, scale=0.4), bih=f(nl, G * H), bhh=f(nl, G * H),
+                u0=f(B, nl, H), lam=f(B, nl, H), C=C, G=G)
+
+
+def _run(mod, cell, c, L, store, dt, mode):
+    B, nl, H = c["u0"].shape
+    U = np.zeros((L + 1, B, nl, H), c["u0"].dtype)
+    U[0] = c["u0"]
+    D = np.zeros((L if store else 0, nl, B, c["C"] * H), U.dtype)
+    mod.recurrent_sweep_forward(cell, c["gi0"], U, c["WihT"], c["WhhT"], c["bih"], c["bhh"], D,
+                                dt, mode)
+    if not store:
+        return U, None
+    Wih = np.ascontiguousarray(c["WihT"].transpose(0, 2, 1))
+    Whh = np.ascontiguousarray(c["WhhT"].transpose(0, 2, 1))
+    DGI = np.zeros((L, nl, B, c["G"] * H), U.dtype)
+    DGH = np.zeros_like(DGI)
+    lam0 = mod.recurrent_sweep_backward(cell, c["lam"], U, D, Wih, Whh, dt, mode, DGI, DGH)
+    return U, (D, lam0, DGI, DGH)
+
+
+@pytest.mark.parametrize("cell, mode, dt", [(0, 0, 1.0), (0, 1, 1.0), (0, 0, 0.5), (0, 1, 3.0),
+                                            (1, 0, 1.0), (1, 0, 0.5)])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("nl", [1, 3])
+def test_numba_sweeps_equal_the_gate_kernel_reference(cell, mode, dt, dtype, nl, rng):
+    L, B, H = 9, 3, 5
+    c = _case(cell, L, B, nl, H, dtype, rng)
+    tol = 1e-13 if dtype == np.float64 else 2e-5
+    U_ref, back_ref = _run(REF, cell, c, L, True, dt, mode)
+    U, back = _run(NB, cell, c, L, True, dt, mode)
+    np.testing.assert_allclose(U, U_ref, rtol=tol, atol=tol)
+    for got, want in zip(back, back_ref):
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol * max(1.0, np.abs(want).max()))
+    U_only, _ = _run(NB, cell, c, L, False, dt, mode)  # no caches: the same states
+    np.testing.assert_array_equal(U_only, U)
+    assert back[1].dtype == dtype and np.abs(back[1]).max() > 0
+
+
+def test_sweep_check_names_the_bad_array(rng):
+    c = _case(0, 4, 2, 1, 3, np.float64, rng)
+    U = np.zeros((5, 2, 1, 3))
+    D = np.zeros((0, 1, 2, 12))
+    with pytest.raises(ValueError, match=r"WhhT must be a C-contiguous float64 array of shape "
+                                         r"\(1, 3, 9\), got float32"):
+        NB.recurrent_sweep_forward(0, c["gi0"], U, c["WihT"], c["WhhT"].astype(np.float32),
+                                   c["bih"], c["bhh"], D, 1.0, 0)
+    with pytest.raises(ValueError, match="gi0 must be"):
+        NB.recurrent_sweep_forward(0, c["gi0"][:, :3], U, c["WihT"], c["WhhT"], c["bih"],
+                                   c["bhh"], D, 1.0, 0)
+    with pytest.raises(ValueError, match="cell must be 0"):
+        NB.recurrent_sweep_forward(2, c["gi0"], U, c["WihT"], c["WhhT"], c["bih"], c["bhh"], D,
+                                   1.0, 0)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: mgnn.gru_classifier(3, 4, 5, 11, n_layers=2, seed=1),
+    lambda: mgnn.gru_classifier(3, 4, 5, 11, cell="implicit_gru", coarse="implicit", seed=1),
+    lambda: mgnn.rnn_classifier(3, 4, 5, 11, n_layers=2, seed=1)])
+@pytest.mark.parametrize("backend", ["numba", "numpy"])
+def test_serial_step_with_sweeps_equals_the_step_by_step_protocol(make, backend, rng,
+                                                                 monkeypatch):
+    """LayerParallel's serial path runs the sweeps (one call per sequence); with the sweeps
+    taken away it steps layer after layer: same loss, gradients and predictions (float64)."""
+    from mgnn.blocks.recurrent import RecurrentStep
+    x, y = rng.standard_normal((6, 11, 3)), rng.integers(0, 5, 6)
+    model = make()
+    calls = []
+    fwd, back = RecurrentStep.sweep_forward_layers, RecurrentStep.sweep_backward_layers
+    monkeypatch.setattr(RecurrentStep, "sweep_forward_layers",
+                        lambda self, *a: calls.append("f") or fwd(self, *a))
+    monkeypatch.setattr(RecurrentStep, "sweep_backward_layers",
+                        lambda self, *a: calls.append("b") or back(self, *a))
+    lp = mgnn.LayerParallel(model, backend=backend)
+    loss, g = lp.loss_and_grad(x, y)
+    assert calls == ["f", "b"]
+    pred = lp.predict(x)
+    monkeypatch.setattr(RecurrentStep, "sweep_forward_layers", lambda self, *a: None)
+    ref = mgnn.LayerParallel(model, backend=backend)
+    loss0, g0 = ref.loss_and_grad(x, y)
+    assert abs(loss - loss0) <= 1e-13 * abs(loss0)
+    for k in g0:
+        np.testing.assert_allclose(g[k], g0[k], rtol=1e-12, atol=1e-14, err_msg=k)
+    np.testing.assert_array_equal(pred, ref.predict(x))
