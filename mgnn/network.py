@@ -346,7 +346,10 @@ class ForwardPropagator:
         fused = self.kind.fused  # composed steps: the single-state (list) protocol only
         self.batched = fused and bool(getattr(bk, "batched_relaxation", False))
         self.fused_rhs = True  # step_batch adds the FAS rhs in the kernel's epilogue
-        self.stacked = fused and _has_stacked(bk)
+        # recurrent kinds: stacked kernels of their own (layer-indexed, shared weights)
+        self._layered = not fused and callable(getattr(self.kind, "chains_forward_layers",
+                                                       None)) and self.kind.can_stack(bk)
+        self.stacked = (fused and _has_stacked(bk)) or self._layered
         self.captures = self.stacked and self.kind.can_replay(bk)
         self.graphs = self.stacked and bool(getattr(bk, "graphs", False))
         self.replicas = {}
@@ -385,11 +388,18 @@ class ForwardPropagator:
         """Stacked relaxation (:class:`mgnn.mgrit.engines.StackedEngine`): slot i is fine index
         origin + i stride; the step into it applies layer origin + (i - 1) stride."""
         h = self.dtype.type(stride * self.h)
+        if self._layered:
+            return self.kind.chains_forward_layers(self.P, U, G, chains, origin - stride,
+                                                   stride, h, self.bk, self.ctx)
         self.kind.chains_forward(self.W, self.b, U, G, chains, origin - stride, stride, h, self.bk)
 
     def points(self, U, G, R, slots, out_slots, origin, stride, level, mode):
         """Stacked residual / FAS / plain steps (see :meth:`advance`)."""
         h = self.dtype.type(stride * self.h)
+        if self._layered:
+            return self.kind.points_forward_layers(self.P, U, G, R, slots, out_slots,
+                                                   origin - stride, stride, h, mode, self.bk,
+                                                   self.ctx)
         return self.kind.points_forward(self.W, self.b, U, G, R, slots, out_slots, origin - stride,
                                         stride, h, mode, self.bk)
 

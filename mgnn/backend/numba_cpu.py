@@ -30,7 +30,7 @@ def overload(fn, **options):
 
 from . import tape as _T
 from .numpy_ref import (_int, bn_dims, check_stacked, conv3d_check, gate_check,
-                        recurrent_sweep_check)
+                        recurrent_stacked_check, recurrent_sweep_check)
 
 name = "numba"
 xp = np  #: array module of this backend
@@ -1845,42 +1845,97 @@ def apply_axis_operator(x, indptr, cols, weights, m):
 
 
 @njit(cache=True)
-def _sweep_fwd(cell, gi0, U, WihT, WhhT, bih, bhh, D, dt, mode):
-    L, B, nl, H = U.shape[0] - 1, U.shape[1], U.shape[2], U.shape[3]
+def _rec_step(cell, src, dst, gi0, t, WihT, WhhT, bih, bhh, dt, mode, one, hk, inp, gi, out,
+              cache, D, n):
+    """dst (B, nl, H) = every layer's cell at time step t out of src (B, nl, H); layer 0 reads
+    the input projection gi0[:, t]; the caches into D[n] when D has rows."""
+    B, nl, H = src.shape
     GH = WhhT.shape[2]
-    one, dt = _typed(U, dt)
-    hk, inp = np.empty((B, H), U.dtype), np.empty((B, H), U.dtype)
-    gi, out = np.empty((B, GH), U.dtype), np.empty((B, H), U.dtype)
-    cache = np.empty((B, 4 * H if cell == 0 else H), U.dtype)
-    store = D.shape[0] > 0
-    for n in range(L):
-        for k in range(nl):
-            for b in range(B):
-                for j in range(H):
-                    hk[b, j] = U[n, b, k, j]
-            gh = np.dot(hk, WhhT[k])
-            if k == 0:
-                for b in range(B):
-                    for j in range(GH):
-                        gi[b, j] = gi0[b, n, j]
-            else:
-                gi = np.dot(inp, WihT[k])
-                for b in range(B):
-                    for j in range(GH):
-                        gi[b, j] += bih[k, j]
+    for k in range(nl):
+        for b in range(B):
+            for j in range(H):
+                hk[b, j] = src[b, k, j]
+        gh = np.dot(hk, WhhT[k])
+        if k == 0:
             for b in range(B):
                 for j in range(GH):
-                    gh[b, j] += bhh[k, j]
-                if cell == 0:
-                    _gru_fwd_row(b, gi, gh, hk, out, cache, dt, mode, one)
-                else:
-                    _rnn_fwd_row(b, gi, gh, hk, out, cache, dt, one)
-                for j in range(H):
-                    U[n + 1, b, k, j] = out[b, j]
-                    inp[b, j] = out[b, j]
-                if store:
-                    for j in range(cache.shape[1]):
-                        D[n, k, b, j] = cache[b, j]
+                    gi[b, j] = gi0[b, t, j]
+        else:
+            gi[:, :] = np.dot(inp, WihT[k])
+            for b in range(B):
+                for j in range(GH):
+                    gi[b, j] += bih[k, j]
+        for b in range(B):
+            for j in range(GH):
+                gh[b, j] += bhh[k, j]
+            if cell == 0:
+                _gru_fwd_row(b, gi, gh, hk, out, cache, dt, mode, one)
+            else:
+                _rnn_fwd_row(b, gi, gh, hk, out, cache, dt, one)
+            for j in range(H):
+                dst[b, k, j] = out[b, j]
+                inp[b, j] = out[b, j]
+            if D.shape[0] > 0:
+                for j in range(cache.shape[1]):
+                    D[n, k, b, j] = cache[b, j]
+
+
+@njit(cache=True)
+def _rec_scratch(U, GH, cell):
+    B, H = U.shape[-3], U.shape[-1]
+    return (np.empty((B, H), U.dtype), np.empty((B, H), U.dtype), np.empty((B, GH), U.dtype),
+            np.empty((B, H), U.dtype), np.empty((B, 4 * H if cell == 0 else H), U.dtype))
+
+
+@njit(cache=True)
+def _sweep_fwd(cell, gi0, U, WihT, WhhT, bih, bhh, D, dt, mode):
+    one, dt = _typed(U, dt)
+    hk, inp, gi, out, cache = _rec_scratch(U, WhhT.shape[2], cell)
+    for n in range(U.shape[0] - 1):
+        _rec_step(cell, U[n], U[n + 1], gi0, n, WihT, WhhT, bih, bhh, dt, mode, one, hk, inp,
+                  gi, out, cache, D, n)
+
+
+@njit(cache=True)
+def _rec_chains(cell, gi0, U, G, has_g, chains, layer0, layer_step, WihT, WhhT, bih, bhh, dt,
+                mode):
+    one, dt = _typed(U, dt)
+    hk, inp, gi, out, cache = _rec_scratch(U, WhhT.shape[2], cell)
+    none = np.empty((0, 1, 1, 1), U.dtype)
+    for c in range(chains.shape[0]):
+        for i in range(chains[c, 0], chains[c, 0] + chains[c, 1]):
+            _rec_step(cell, U[i - 1], U[i], gi0, layer0 + i * layer_step, WihT, WhhT, bih, bhh,
+                      dt, mode, one, hk, inp, gi, out, cache, none, 0)
+            if has_g:
+                U[i] += G[i]
+
+
+@njit(cache=True)
+def _rec_points(cell, gi0, U, G, has_g, R, slots, outs, layer0, layer_step, WihT, WhhT, bih,
+                bhh, dt, mode, point_mode):
+    one, dt = _typed(U, dt)
+    hk, inp, gi, out, cache = _rec_scratch(U, WhhT.shape[2], cell)
+    none = np.empty((0, 1, 1, 1), U.dtype)
+    phi = np.empty(U.shape[1:], U.dtype)
+    r2 = 0.0
+    for p in range(slots.shape[0]):
+        i, o = slots[p], outs[p]
+        _rec_step(cell, U[i - 1], phi, gi0, layer0 + i * layer_step, WihT, WhhT, bih, bhh, dt,
+                  mode, one, hk, inp, gi, out, cache, none, 0)
+        if point_mode == 1:
+            R[o] += U[i]
+            R[o] -= phi
+            continue
+        if point_mode == 0:
+            R[o] = phi - U[i]
+        else:
+            R[o] = phi
+        if has_g:
+            R[o] += G[i]
+        if point_mode == 0:
+            for v in R[o].ravel():
+                r2 += float(v) * float(v)
+    return r2
 
 
 @njit(cache=True)
@@ -1930,3 +1985,24 @@ def recurrent_sweep_backward(cell, lam, U, D, Wih, Whh, dt, mode, DGI, DGH):
     :func:`mgnn.backend.numpy_ref.recurrent_sweep_backward`."""
     return _sweep_back(cell, np.ascontiguousarray(lam), U, D, Wih, Whh, float(dt), int(mode),
                        DGI, DGH)
+
+
+def recurrent_chains_forward(cell, gi0, U, G, chains, layer0, layer_step, WihT, WhhT, bih, bhh,
+                             dt, mode):
+    """Stacked relaxation of a recurrent model: contract of
+    :func:`mgnn.backend.numpy_ref.recurrent_chains_forward`, one Numba call per sweep."""
+    chains = recurrent_stacked_check(gi0, U, G, None, chains, layer0, layer_step, WihT, WhhT,
+                                     bih, bhh)
+    _rec_chains(cell, gi0, U, U if G is None else G, G is not None, chains, layer0, layer_step,
+                WihT, WhhT, bih, bhh, float(dt), int(mode))
+
+
+def recurrent_points_forward(cell, gi0, U, G, R, slots, out_slots, layer0, layer_step, WihT,
+                             WhhT, bih, bhh, dt, mode, point_mode):
+    """Residual / FAS / plain points of a recurrent model: contract of
+    :func:`mgnn.backend.numpy_ref.recurrent_points_forward`, one Numba call."""
+    slots, outs = recurrent_stacked_check(gi0, U, G, R, slots, layer0, layer_step, WihT, WhhT,
+                                          bih, bhh, out_slots, point_mode)
+    return _rec_points(cell, gi0, U, U if G is None else G, G is not None, R, slots, outs,
+                       layer0, layer_step, WihT, WhhT, bih, bhh, float(dt), int(mode),
+                       int(point_mode))

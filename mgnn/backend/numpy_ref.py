@@ -957,3 +957,87 @@ def recurrent_sweep_backward(cell, lam, U, D, Wih, Whh, dt, mode, DGI, DGH):
             carry = dgi @ Wih[k] if k > 0 else None
         lam = out
     return lam
+
+
+def _rec_step(cell, src, gi_t, WihT, WhhT, bih, bhh, dt, mode):
+    """Every layer's cell out of src (B, nl, H) with layer 0's input projection gi_t (B, G H)."""
+    dst = np.empty_like(src)
+    inp = None
+    for k in range(src.shape[1]):
+        gi = gi_t if k == 0 else inp @ WihT[k] + bih[k]
+        hk = np.ascontiguousarray(src[:, k])
+        gh = hk @ WhhT[k] + bhh[k]
+        gi = np.ascontiguousarray(gi)
+        out = (gru_gates_forward(gi, gh, hk, dt, mode) if cell == 0 else
+               rnn_gates_forward(gi, gh, hk, dt))[0]
+        dst[:, k] = out
+        inp = out
+    return dst
+
+
+def recurrent_stacked_check(gi0, U, G, R, idx, layer0, layer_step, WihT, WhhT, bih, bhh,
+                            out_slots=None, point_mode=None):
+    """Validate a stacked recurrent kernel call (chains when R is None, else points); returns
+    the int64 chains (n, 2), or (slots (n,), out slots (n,)). The time step into slot i is
+    layer0 + i layer_step, inside 0..L-1 (L = gi0.shape[1])."""
+    if not isinstance(U, np.ndarray) or U.ndim != 4 or U.dtype.char not in "fd" or \
+            not U.flags.c_contiguous:
+        raise ValueError(f"U must be a C-contiguous float32/float64 stack (m, B, nl, H), got "
+                         f"{getattr(U, 'dtype', type(U).__name__)} {getattr(U, 'shape', '')}")
+    for name, a in (("G", G), ("R", R)):
+        if a is not None and (a.dtype != U.dtype or a.shape[1:] != U.shape[1:] or
+                              not a.flags.c_contiguous):
+            raise ValueError(f"{name} must be a C-contiguous {U.dtype} stack of {U.shape[1:]} "
+                             f"states, got {a.dtype} {a.shape}")
+    if G is not None and G.shape != U.shape:
+        raise ValueError(f"G has shape {G.shape}, U {U.shape}")
+    if point_mode is not None and point_mode not in (0, 1, 2):
+        raise ValueError(f"unknown mode {point_mode!r}; expected 0 (residual), 1 (FAS), 2 (plain)")
+    layer0, layer_step = _int("layer0", layer0), _int("layer_step", layer_step)
+    if R is None:
+        idx = _index_array("chains", idx, 2)
+        outs = _NO_OUTS
+        code, k, lo, hi = index_check(idx, outs, U.shape[0], 0)
+    else:
+        idx = _index_array("slots", idx, 1)
+        outs = _index_array("out_slots", out_slots, 1)
+        code, k, lo, hi = index_check(idx[:, None], outs, U.shape[0], R.shape[0])
+    if code:
+        raise ValueError(f"bad {'chains' if R is None else 'slots'}: fault {code} at entry {k}")
+    L = gi0.shape[1]
+    if lo <= hi:
+        for i in (lo, hi):
+            if not 0 <= layer0 + i * layer_step < L:
+                raise ValueError(f"the step into slot {i} uses time step {layer0 + i * layer_step}"
+                                 f" (layer0={layer0}, layer_step={layer_step}), not in 0..{L - 1}")
+    return idx if R is None else (idx, outs)
+
+
+def recurrent_chains_forward(cell, gi0, U, G, chains, layer0, layer_step, WihT, WhhT, bih, bhh,
+                             dt, mode):
+    """Stacked relaxation of a recurrent model: along each chain (first slot, length) U[i] =
+    the cells of time step layer0 + i layer_step out of U[i - 1] (+ G[i]); arrays as in
+    :func:`recurrent_sweep_forward`, dt / mode the update rule of the level's step."""
+    chains = recurrent_stacked_check(gi0, U, G, None, chains, layer0, layer_step, WihT, WhhT,
+                                     bih, bhh)
+    for first, n in chains.tolist():
+        for i in range(first, first + n):
+            t = layer0 + i * layer_step
+            y = _rec_step(cell, U[i - 1], np.ascontiguousarray(gi0[:, t]), WihT, WhhT, bih, bhh,
+                          dt, mode)
+            U[i] = y if G is None else y + G[i]
+
+
+def recurrent_points_forward(cell, gi0, U, G, R, slots, out_slots, layer0, layer_step, WihT,
+                             WhhT, bih, bhh, dt, mode, point_mode):
+    """The step into each of U's ``slots`` combined into R's ``out_slots`` (point_mode 0
+    residual, returns the squared norm; 1 FAS; 2 plain: STACKED_KERNELS' modes)."""
+    slots, outs = recurrent_stacked_check(gi0, U, G, R, slots, layer0, layer_step, WihT, WhhT,
+                                          bih, bhh, out_slots, point_mode)
+    r2 = 0.0
+    for i, o in zip(slots.tolist(), outs.tolist()):
+        t = layer0 + i * layer_step
+        phi = _rec_step(cell, U[i - 1], np.ascontiguousarray(gi0[:, t]), WihT, WhhT, bih, bhh,
+                        dt, mode)
+        r2 += _points_out(phi, U, G, R, i, o, point_mode)
+    return r2

@@ -192,6 +192,46 @@ class RecurrentStep:
                     xp.ascontiguousarray(xp.stack(hh).transpose(0, 2, 1)))
         return xp.stack(ih), xp.stack(hh)
 
+    def can_replay(self, bk):
+        """No captured cycles (the stacked relaxation runs through the engine)."""
+        return False
+
+    def can_stack(self, bk):
+        """Whether ``bk`` has the stacked recurrent kernels (host arrays)."""
+        return callable(getattr(bk, "recurrent_chains_forward", None)) and \
+            callable(getattr(bk, "recurrent_points_forward", None))
+
+    def _stack_args(self, P, ctx):
+        """(cell code, gi0, W_ih^T, W_hh^T, b_ih, b_hh) of the stacked kernels, built once per
+        batch (memoised in the context, reset with each new batch)."""
+        got = ctx.memo.get("rec_stack")
+        if got is None:
+            WihT, WhhT = self._stacked_weights(P, transposed=True)
+            bih = np.stack([P[f"bias_ih_l{k}"] for k in range(self.n_layers)])
+            bih[0] = 0  # layer 0's input bias is in the input projection
+            bhh = np.stack([P[f"bias_hh_l{k}"] for k in range(self.n_layers)])
+            got = ctx.memo["rec_stack"] = (0 if self.cell != "rnn" else 1,
+                                           self._input_projection(P, ctx), WihT, WhhT, bih, bhh)
+        return got
+
+    def chains_forward_layers(self, P, U, G, chains, layer0, layer_step, h, bk, ctx):
+        """Stacked relaxation (:class:`mgnn.mgrit.engines.StackedEngine`): along each chain
+        U[i] = Phi_t(U[i - 1]) (+ G[i]), t = layer0 + i layer_step, step size h."""
+        dt, mode = self._rule(h)
+        cell, gi0, WihT, WhhT, bih, bhh = self._stack_args(P, ctx)
+        bk.recurrent_chains_forward(cell, gi0, U, G, chains, layer0, layer_step, WihT, WhhT,
+                                    bih, bhh, dt, mode)
+
+    def points_forward_layers(self, P, U, G, R, slots, out_slots, layer0, layer_step, h,
+                              point_mode, bk, ctx):
+        """The step into each of U's ``slots`` combined into R by ``point_mode`` (0 residual,
+        returns the squared norm; 1 FAS; 2 plain)."""
+        dt, mode = self._rule(h)
+        cell, gi0, WihT, WhhT, bih, bhh = self._stack_args(P, ctx)
+        return bk.recurrent_points_forward(cell, gi0, U, G, R, slots, out_slots, layer0,
+                                           layer_step, WihT, WhhT, bih, bhh, dt, mode,
+                                           point_mode)
+
     def sweep_forward_layers(self, P, U, h, store, bk, ctx):
         """Serial propagation over every step in one backend call (``recurrent_sweep_forward``):
         fills U[1:] (U (L + 1, B, nl, H), U[0] given) and returns the caches (L, nl, B, C H)
@@ -202,14 +242,10 @@ class RecurrentStep:
             return None
         dt, mode = self._rule(h)
         L, B = U.shape[0] - 1, U.shape[1]
-        WihT, WhhT = self._stacked_weights(P, transposed=True)
-        bih = np.stack([P[f"bias_ih_l{k}"] for k in range(self.n_layers)])
-        bih[0] = 0  # layer 0's input bias is in the input projection
-        bhh = np.stack([P[f"bias_hh_l{k}"] for k in range(self.n_layers)])
+        cell, gi0, WihT, WhhT, bih, bhh = self._stack_args(P, ctx)
         C = 4 if self.cell != "rnn" else 1
         D = np.empty((L if store else 0, self.n_layers, B, C * self.hidden), U.dtype)
-        sweep(0 if self.cell != "rnn" else 1, self._input_projection(P, ctx), U, WihT, WhhT,
-              bih, bhh, D, dt, mode)
+        sweep(cell, gi0, U, WihT, WhhT, bih, bhh, D, dt, mode)
         return D
 
     def sweep_backward_layers(self, P, U, D, lam, h, bk, ctx, G):
