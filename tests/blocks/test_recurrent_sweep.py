@@ -141,3 +141,15 @@ def test_stacked_recurrent_kernels_check_their_indices(rng):
         with pytest.raises(ValueError, match="unknown mode 3"):
             mod.recurrent_points_forward(0, c["gi0"], U, None, np.zeros((2, 2, 1, 3)),
                                          np.array([1]), np.array([0]), -1, 1, *args, 3)
+
+
+def test_numba_backward_sweep_flushes_subnormal_cotangents(rng):
+    """Cotangents below the smallest normal float32 (1.2e-38) are flushed to zero (subnormal
+    arithmetic is several times slower); the reference keeps them."""
+    c = _case(0, 6, 2, 1, 3, np.float32, rng)
+    c["lam"] = np.full_like(c["lam"], 3e-39)  # subnormal already
+    _, (D, lam0, DGI, DGH) = _run(NB, 0, c, 6, True, 1.0, 0)
+    assert not lam0.any() and not DGI.any() and not DGH.any()
+    _, (_, lam_ref, DGI_ref, _) = _run(REF, 0, c, 6, True, 1.0, 0)
+    assert np.abs(DGI_ref[-1]).max() > 0  # gradual underflow there
+    np.testing.assert_allclose(lam0, lam_ref, atol=np.finfo(np.float32).tiny)
