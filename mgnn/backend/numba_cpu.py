@@ -30,7 +30,8 @@ def overload(fn, **options):
 
 from . import tape as _T
 from .numpy_ref import (_int, bn_dims, check_stacked, conv3d_check, gate_check,
-                        recurrent_stacked_check, recurrent_sweep_check)
+                        recurrent_stacked_check, recurrent_sweep_back_check,
+                        recurrent_sweep_check)
 
 name = "numba"
 xp = np  #: array module of this backend
@@ -1987,7 +1988,7 @@ def _sweep_back(cell, lam, U, D, Wih, Whh, dt, mode, DGI, DGH, tiny):
 def recurrent_sweep_forward(cell, gi0, U, WihT, WhhT, bih, bhh, D, dt, mode):
     """One Numba call per sequence (GEMMs through BLAS ``np.dot``); contract of
     :func:`mgnn.backend.numpy_ref.recurrent_sweep_forward`."""
-    recurrent_sweep_check(cell, gi0, U, WihT, WhhT, bih, bhh, D)
+    recurrent_sweep_check(cell, gi0, U, WihT, WhhT, bih, bhh, D, dt, mode)
     _sweep_fwd(cell, gi0, U, WihT, WhhT, bih, bhh, D, float(dt), int(mode))
 
 
@@ -1997,16 +1998,18 @@ def recurrent_sweep_backward(cell, lam, U, D, Wih, Whh, dt, mode, DGI, DGH):
     dtype's smallest normal number (``np.finfo(dtype).tiny``, 1.2e-38 in float32) are flushed
     to zero: over long sequences the adjoint decays through the subnormal range, where x86
     arithmetic is several times slower (measured 7x for a float32 GRU over 512 steps)."""
-    return _sweep_back(cell, np.ascontiguousarray(lam), U, D, Wih, Whh, float(dt), int(mode),
-                       DGI, DGH, float(np.finfo(U.dtype).tiny))
+    lam = np.ascontiguousarray(lam)
+    recurrent_sweep_back_check(cell, lam, U, D, Wih, Whh, dt, mode, DGI, DGH)
+    return _sweep_back(cell, lam, U, D, Wih, Whh, float(dt), int(mode), DGI, DGH,
+                       float(np.finfo(U.dtype).tiny))
 
 
 def recurrent_chains_forward(cell, gi0, U, G, chains, layer0, layer_step, WihT, WhhT, bih, bhh,
                              dt, mode):
     """Stacked relaxation of a recurrent model: contract of
     :func:`mgnn.backend.numpy_ref.recurrent_chains_forward`, one Numba call per sweep."""
-    chains = recurrent_stacked_check(gi0, U, G, None, chains, layer0, layer_step, WihT, WhhT,
-                                     bih, bhh)
+    chains = recurrent_stacked_check(cell, gi0, U, G, None, chains, layer0, layer_step, WihT,
+                                     WhhT, bih, bhh, dt, mode)
     _rec_chains(cell, gi0, U, U if G is None else G, G is not None, chains, layer0, layer_step,
                 WihT, WhhT, bih, bhh, float(dt), int(mode))
 
@@ -2015,8 +2018,8 @@ def recurrent_points_forward(cell, gi0, U, G, R, slots, out_slots, layer0, layer
                              WhhT, bih, bhh, dt, mode, point_mode):
     """Residual / FAS / plain points of a recurrent model: contract of
     :func:`mgnn.backend.numpy_ref.recurrent_points_forward`, one Numba call."""
-    slots, outs = recurrent_stacked_check(gi0, U, G, R, slots, layer0, layer_step, WihT, WhhT,
-                                          bih, bhh, out_slots, point_mode)
+    slots, outs = recurrent_stacked_check(cell, gi0, U, G, R, slots, layer0, layer_step, WihT,
+                                          WhhT, bih, bhh, dt, mode, out_slots, point_mode)
     return _rec_points(cell, gi0, U, U if G is None else G, G is not None, R, slots, outs,
                        layer0, layer_step, WihT, WhhT, bih, bhh, float(dt), int(mode),
                        int(point_mode))

@@ -893,31 +893,69 @@ def rnn_gates_vjp(g, h, deriv, dt):
 # 1 - tanh^2). Layer k of step n reads layer k-1's new hidden state (layer 0 the input
 # projection gi0[:, n], computed outside: it does not depend on the state).
 
-def recurrent_sweep_check(cell, gi0, U, WihT, WhhT, bih, bhh, D):
+def _recurrent_arrays(cell, dtype, arrays):
+    """ValueError naming the first of ``arrays`` ({name: (array, shape)}) that is not a
+    C-contiguous float32/float64 array of ``dtype`` and its shape; checks ``cell``."""
+    if cell not in (0, 1):
+        raise ValueError(f"cell must be 0 (GRU) or 1 (RNN), got {cell!r}")
+    for name, (a, shape) in arrays.items():
+        if not isinstance(a, np.ndarray) or a.shape != tuple(shape) or a.dtype != dtype or \
+                a.dtype.char not in "fd" or not a.flags.c_contiguous:
+            raise ValueError(f"{name} must be a C-contiguous {dtype} array of shape "
+                             f"{tuple(shape)}, got {getattr(a, 'dtype', type(a).__name__)} "
+                             f"{getattr(a, 'shape', '')}")
+
+
+def _step_rule(dt, mode):
+    if isinstance(dt, bool) or not isinstance(dt, (int, float, np.floating, np.integer)) or \
+            not np.isfinite(dt) or dt <= 0:
+        raise ValueError(f"dt must be a finite real > 0, got {dt!r}")
+    if mode not in (0, 1):
+        raise ValueError(f"mode must be 0 (explicit) or 1 (implicit), got {mode!r}")
+
+
+def _weights(cell, nl, H, WihT, WhhT, bih, bhh):
+    GH = (3 if cell == 0 else 1) * H
+    return {"WihT": (WihT, (nl, H, GH)), "WhhT": (WhhT, (nl, H, GH)), "bih": (bih, (nl, GH)),
+            "bhh": (bhh, (nl, GH))}
+
+
+def recurrent_sweep_check(cell, gi0, U, WihT, WhhT, bih, bhh, D, dt=1.0, mode=0):
     """Validate a sweep call; returns (L, B, nl, H, G). Shapes: gi0 (B, L, G H), U (L + 1, B,
     nl, H), WihT / WhhT (nl, H, G H) (WihT[0] unused), bih / bhh (nl, G H), D (L, nl, B, C H)
     with C = 4 (GRU) or 1 (RNN), or a 0-length first axis (no caches). One float dtype, all
-    C-contiguous."""
-    if cell not in (0, 1):
-        raise ValueError(f"cell must be 0 (GRU) or 1 (RNN), got {cell!r}")
+    C-contiguous; dt > 0, mode 0 or 1."""
+    _recurrent_arrays(cell, getattr(U, "dtype", None), {"U": (U, getattr(U, "shape", ()))})
+    if U.ndim != 4:
+        raise ValueError(f"U must be (L + 1, B, nl, H), got shape {U.shape}")
     L1, B, nl, H = U.shape
     G, C = (3, 4) if cell == 0 else (1, 1)
-    want = {"gi0": (gi0, (B, L1 - 1, G * H)), "WihT": (WihT, (nl, H, G * H)),
-            "WhhT": (WhhT, (nl, H, G * H)), "bih": (bih, (nl, G * H)), "bhh": (bhh, (nl, G * H))}
+    want = {"gi0": (gi0, (B, L1 - 1, G * H)), **_weights(cell, nl, H, WihT, WhhT, bih, bhh)}
     if D.shape[0]:
         want["D"] = (D, (L1 - 1, nl, B, C * H))
-    for name, (a, shape) in [("U", (U, U.shape))] + list(want.items()):
-        if a.shape != shape or a.dtype != U.dtype or a.dtype.char not in "fd" or \
-                not a.flags.c_contiguous:
-            raise ValueError(f"{name} must be a C-contiguous {U.dtype} array of shape {shape}, "
-                             f"got {a.dtype} {a.shape}")
+    _recurrent_arrays(cell, U.dtype, want)
+    _step_rule(dt, mode)
     return L1 - 1, B, nl, H, G
+
+
+def recurrent_sweep_back_check(cell, lam, U, D, Wih, Whh, dt, mode, DGI, DGH):
+    """Validate a backward sweep call (shapes as :func:`recurrent_sweep_backward` documents)."""
+    _recurrent_arrays(cell, getattr(U, "dtype", None), {"U": (U, getattr(U, "shape", ()))})
+    if U.ndim != 4:
+        raise ValueError(f"U must be (L + 1, B, nl, H), got shape {U.shape}")
+    L1, B, nl, H = U.shape
+    GH, C = (3 * H, 4) if cell == 0 else (H, 1)
+    _recurrent_arrays(cell, U.dtype, {
+        "lam": (lam, (B, nl, H)), "D": (D, (L1 - 1, nl, B, C * H)), "Wih": (Wih, (nl, GH, H)),
+        "Whh": (Whh, (nl, GH, H)), "DGI": (DGI, (L1 - 1, nl, B, GH)),
+        "DGH": (DGH, (L1 - 1, nl, B, GH))})
+    _step_rule(dt, mode)
 
 
 def recurrent_sweep_forward(cell, gi0, U, WihT, WhhT, bih, bhh, D, dt, mode):
     """U[n + 1] = the step of every layer out of U[n] for n = 0..L-1 (in place), and D[n, k]
     the gate caches (if D has L rows). Reference: the gate kernels step after step."""
-    L, B, nl, H, G = recurrent_sweep_check(cell, gi0, U, WihT, WhhT, bih, bhh, D)
+    L, B, nl, H, G = recurrent_sweep_check(cell, gi0, U, WihT, WhhT, bih, bhh, D, dt, mode)
     for n in range(L):
         inp = None
         for k in range(nl):
@@ -939,6 +977,8 @@ def recurrent_sweep_backward(cell, lam, U, D, Wih, Whh, dt, mode, DGI, DGH):
     of U[L]: returns that of U[0]; DGI[n, k], DGH[n, k] (L, nl, B, G H) receive the cotangents of
     the input and hidden projections of layer k at step n (the parameter gradients are GEMMs of
     them). Wih / Whh (nl, G H, H) (Wih[0] unused); D the forward's caches."""
+    lam = np.ascontiguousarray(lam)
+    recurrent_sweep_back_check(cell, lam, U, D, Wih, Whh, dt, mode, DGI, DGH)
     L, nl, B = D.shape[0], D.shape[1], D.shape[2]
     H = lam.shape[2]
     for n in range(L - 1, -1, -1):
@@ -975,36 +1015,46 @@ def _rec_step(cell, src, gi_t, WihT, WhhT, bih, bhh, dt, mode):
     return dst
 
 
-def recurrent_stacked_check(gi0, U, G, R, idx, layer0, layer_step, WihT, WhhT, bih, bhh,
-                            out_slots=None, point_mode=None):
+def recurrent_stacked_check(cell, gi0, U, G, R, idx, layer0, layer_step, WihT, WhhT, bih, bhh,
+                            dt, mode, out_slots=None, point_mode=None):
     """Validate a stacked recurrent kernel call (chains when R is None, else points); returns
-    the int64 chains (n, 2), or (slots (n,), out slots (n,)). The time step into slot i is
-    layer0 + i layer_step, inside 0..L-1 (L = gi0.shape[1])."""
-    if not isinstance(U, np.ndarray) or U.ndim != 4 or U.dtype.char not in "fd" or \
-            not U.flags.c_contiguous:
-        raise ValueError(f"U must be a C-contiguous float32/float64 stack (m, B, nl, H), got "
-                         f"{getattr(U, 'dtype', type(U).__name__)} {getattr(U, 'shape', '')}")
-    for name, a in (("G", G), ("R", R)):
-        if a is not None and (a.dtype != U.dtype or a.shape[1:] != U.shape[1:] or
-                              not a.flags.c_contiguous):
-            raise ValueError(f"{name} must be a C-contiguous {U.dtype} stack of {U.shape[1:]} "
-                             f"states, got {a.dtype} {a.shape}")
-    if G is not None and G.shape != U.shape:
-        raise ValueError(f"G has shape {G.shape}, U {U.shape}")
+    the int64 chains (n, 2), or (slots (n,), out slots (n,)). U (m, B, nl, H), G like U or
+    None, R (r, B, nl, H) not sharing U's memory, gi0 (B, L, G H) and the weights as in
+    :func:`recurrent_sweep_check`. The time step into slot i is layer0 + i layer_step, inside
+    0..L-1."""
+    _recurrent_arrays(cell, getattr(U, "dtype", None), {"U": (U, getattr(U, "shape", ()))})
+    if U.ndim != 4:
+        raise ValueError(f"U must be a stack (m, B, nl, H), got shape {U.shape}")
+    m, B, nl, H = U.shape
+    GH = (3 if cell == 0 else 1) * H
+    gi_shape = tuple(getattr(gi0, "shape", ()))
+    L = gi_shape[1] if len(gi_shape) == 3 else -1  # any sequence length; -1 fails the check
+    want = {"gi0": (gi0, (B, L, GH)), **_weights(cell, nl, H, WihT, WhhT, bih, bhh)}
+    if G is not None:
+        want["G"] = (G, U.shape)
+    if R is not None:
+        want["R"] = (R, (getattr(R, "shape", (0,))[0],) + U.shape[1:])
+    _recurrent_arrays(cell, U.dtype, want)
+    _step_rule(dt, mode)
     if point_mode is not None and point_mode not in (0, 1, 2):
         raise ValueError(f"unknown mode {point_mode!r}; expected 0 (residual), 1 (FAS), 2 (plain)")
     layer0, layer_step = _int("layer0", layer0), _int("layer_step", layer_step)
     if R is None:
         idx = _index_array("chains", idx, 2)
         outs = _NO_OUTS
-        code, k, lo, hi = index_check(idx, outs, U.shape[0], 0)
+        code, k, lo, hi = index_check(idx, outs, m, 0)
     else:
+        if np.may_share_memory(R, U):
+            raise ValueError("R shares memory with U; the output must be a different array")
         idx = _index_array("slots", idx, 1)
         outs = _index_array("out_slots", out_slots, 1)
-        code, k, lo, hi = index_check(idx[:, None], outs, U.shape[0], R.shape[0])
+        if outs.shape != idx.shape:
+            raise ValueError(f"out_slots has shape {outs.shape}, slots {idx.shape}")
+        code, k, lo, hi = index_check(idx[:, None], outs, m, R.shape[0])
     if code:
-        raise ValueError(f"bad {'chains' if R is None else 'slots'}: fault {code} at entry {k}")
-    L = gi0.shape[1]
+        what = "chains" if R is None else ("out_slots" if code in (5, 6) else "slots")
+        why = _INDEX_FAULTS[code].format(m=m - 1, r=(0 if R is None else R.shape[0]) - 1)
+        raise ValueError(f"bad {what}: entry {k} {why}")
     if lo <= hi:
         for i in (lo, hi):
             if not 0 <= layer0 + i * layer_step < L:
@@ -1018,8 +1068,8 @@ def recurrent_chains_forward(cell, gi0, U, G, chains, layer0, layer_step, WihT, 
     """Stacked relaxation of a recurrent model: along each chain (first slot, length) U[i] =
     the cells of time step layer0 + i layer_step out of U[i - 1] (+ G[i]); arrays as in
     :func:`recurrent_sweep_forward`, dt / mode the update rule of the level's step."""
-    chains = recurrent_stacked_check(gi0, U, G, None, chains, layer0, layer_step, WihT, WhhT,
-                                     bih, bhh)
+    chains = recurrent_stacked_check(cell, gi0, U, G, None, chains, layer0, layer_step, WihT,
+                                     WhhT, bih, bhh, dt, mode)
     for first, n in chains.tolist():
         for i in range(first, first + n):
             t = layer0 + i * layer_step
@@ -1032,8 +1082,8 @@ def recurrent_points_forward(cell, gi0, U, G, R, slots, out_slots, layer0, layer
                              WhhT, bih, bhh, dt, mode, point_mode):
     """The step into each of U's ``slots`` combined into R's ``out_slots`` (point_mode 0
     residual, returns the squared norm; 1 FAS; 2 plain: STACKED_KERNELS' modes)."""
-    slots, outs = recurrent_stacked_check(gi0, U, G, R, slots, layer0, layer_step, WihT, WhhT,
-                                          bih, bhh, out_slots, point_mode)
+    slots, outs = recurrent_stacked_check(cell, gi0, U, G, R, slots, layer0, layer_step, WihT,
+                                          WhhT, bih, bhh, dt, mode, out_slots, point_mode)
     r2 = 0.0
     for i, o in zip(slots.tolist(), outs.tolist()):
         t = layer0 + i * layer_step

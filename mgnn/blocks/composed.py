@@ -50,7 +50,9 @@ class StepContext:
 
     def begin(self, x):
         """A new call on the input batch ``x`` (per-step inputs of sequence models): forget what
-        was memoised for the previous one (e.g. input projections made with older weights)."""
+        was memoised for the previous one (input projections, the recurrent kernels' stacked
+        weights). What is memoised holds until the next ``begin``: a caller that changes the
+        parameters in between (a line search, finite differences) calls ``begin`` again."""
         self.x, self.memo = x, {}
 
     def mask(self, bk, layer, shape, dtype, threshold):

@@ -102,6 +102,7 @@ def test_serial_step_with_sweeps_equals_the_step_by_step_protocol(make, backend,
     lambda: mgnn.gru_classifier(3, 4, 5, 13, n_layers=2, seed=1),
     lambda: mgnn.gru_classifier(3, 4, 5, 13, cell="implicit_gru", coarse="implicit", seed=1),
     lambda: mgnn.gru_classifier(3, 4, 5, 13, coarse="implicit", seed=2),
+    lambda: mgnn.gru_classifier(3, 4, 5, 13, n_layers=2, coarse="implicit", seed=3),
     lambda: mgnn.rnn_classifier(3, 4, 5, 13, n_layers=2, seed=1)])
 @pytest.mark.parametrize("backend", ["numba", "numpy"])
 def test_stacked_mgrit_forward_equals_the_list_engine(make, backend, rng, monkeypatch):
@@ -129,11 +130,63 @@ def test_stacked_mgrit_forward_equals_the_list_engine(make, backend, rng, monkey
                                    rtol=1e-11)
 
 
+@pytest.mark.parametrize("cell, mode, dt", [(0, 0, 1.0), (0, 1, 2.0), (0, 0, 4.0), (1, 0, 1.0),
+                                            (1, 0, 2.0)])
+@pytest.mark.parametrize("B, nl", [(1, 2), (3, 3)])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_numba_stacked_kernels_equal_the_reference(cell, mode, dt, B, nl, dtype, rng):
+    """recurrent_chains_forward / recurrent_points_forward (every point mode, with and without
+    G, layer_step > 1, backwards steps) against the NumPy reference."""
+    L, H = 12, 4
+    c = _case(cell, L, B, nl, H, dtype, rng)
+    w = (c["WihT"], c["WhhT"], c["bih"], c["bhh"], dt, mode)
+    tol = 1e-12 if dtype == np.float64 else 2e-5
+    U0 = rng.standard_normal((6, B, nl, H)).astype(dtype)
+    G = rng.standard_normal(U0.shape).astype(dtype)
+    chains = np.array([[1, 2], [4, 2]])
+    for layer0, ls in ((-2, 2), (11, -2)):  # forward in time, stride 2; and backwards
+        for g in (None, G):
+            U1, U2 = U0.copy(), U0.copy()
+            NB.recurrent_chains_forward(cell, c["gi0"], U1, g, chains, layer0, ls, *w)
+            REF.recurrent_chains_forward(cell, c["gi0"], U2, g, chains, layer0, ls, *w)
+            np.testing.assert_allclose(U1, U2, rtol=tol, atol=tol)
+            assert not np.array_equal(U1, U0)
+            for pm in (0, 1, 2):
+                R1 = rng.standard_normal((4, B, nl, H)).astype(dtype)
+                R2 = R1.copy()
+                slots, outs = np.array([1, 3, 5]), np.array([2, 0, 3])
+                r1 = NB.recurrent_points_forward(cell, c["gi0"], U0, g, R1, slots, outs, layer0,
+                                                 ls, *w, pm)
+                r2 = REF.recurrent_points_forward(cell, c["gi0"], U0, g, R2, slots, outs,
+                                                  layer0, ls, *w, pm)
+                np.testing.assert_allclose(R1, R2, rtol=tol, atol=tol)
+                assert r1 == pytest.approx(r2, rel=tol) and (r1 > 0) == (pm == 0)
+
+
 def test_stacked_recurrent_kernels_check_their_indices(rng):
     c = _case(0, 4, 2, 1, 3, np.float64, rng)
     U = np.zeros((5, 2, 1, 3))
     args = (c["WihT"], c["WhhT"], c["bih"], c["bhh"], 1.0, 0)
+    R = np.zeros((2, 2, 1, 3))
     for mod in (NB, REF):
+        with pytest.raises(ValueError, match=r"out_slots has shape \(1,\), slots \(3,\)"):
+            mod.recurrent_points_forward(0, c["gi0"], U, None, R, np.array([1, 2, 3]),
+                                         np.array([0]), -1, 1, *args, 0)
+        with pytest.raises(ValueError, match="R shares memory with U"):
+            mod.recurrent_points_forward(0, c["gi0"], U, None, U[:2], np.array([1]),
+                                         np.array([0]), -1, 1, *args, 0)
+        with pytest.raises(ValueError, match=r"gi0 must be a C-contiguous float64 array of "
+                                             r"shape \(2, 4, 9\)"):
+            mod.recurrent_chains_forward(0, c["gi0"][:1], U, None, np.array([[1, 2]]), -1, 1,
+                                         *args)
+        with pytest.raises(ValueError, match="dt must be a finite real > 0"):
+            mod.recurrent_chains_forward(0, c["gi0"], U, None, np.array([[1, 2]]), -1, 1,
+                                         *args[:4], 0.0, 0)
+        with pytest.raises(ValueError, match=r"DGH must be a C-contiguous"):
+            D = np.zeros((4, 1, 2, 12))
+            W = np.zeros((1, 9, 3))
+            mod.recurrent_sweep_backward(0, np.zeros((2, 1, 3)), U, D, W, W, 1.0, 0,
+                                         np.zeros((4, 1, 2, 9)), np.zeros((4, 1, 2, 8)))
         with pytest.raises(ValueError, match="uses time step 4 .* not in 0..3"):
             mod.recurrent_chains_forward(0, c["gi0"], U, None, np.array([[1, 4]]), 0, 1, *args)
         with pytest.raises(ValueError, match="bad chains"):
