@@ -240,39 +240,38 @@ def _out_shape(fine, to_fine):
     return tuple(fine) if to_fine else coarse_shape(fine)
 
 
-def _transfer_dense(x, fine, interp, restrict, to_fine, xp):
-    """:func:`_transfer` as one dense 1D matrix per axis, a (batched) GEMM each (CuPy)."""
-    d = len(fine)
+def _per_axis(x, d, apply):
+    """Contract the last ``d`` axes of ``x`` one by one, last first: ``apply(k, y3)`` maps the
+    (pre, n_k, post) view of axis k to (pre, m_k, post)."""
     y = x
     for k in reversed(range(d)):
-        A = _axis_matrix(fine[k], interp, restrict, to_fine, x.dtype, xp)
         shape = y.shape
         ax = y.ndim - d + k
         pre, n = int(np.prod(shape[:ax])), shape[ax]
-        post = int(np.prod(shape[ax + 1:]))
-        if post == 1:
-            z = y.reshape(pre, n) @ A.T
-        else:
-            z = xp.matmul(A, y.reshape(pre, n, post))
-        y = z.reshape(shape[:ax] + (A.shape[0],) + shape[ax + 1:])
+        z = apply(k, y.reshape(pre, n, int(np.prod(shape[ax + 1:]))))
+        y = z.reshape(shape[:ax] + (z.shape[1],) + shape[ax + 1:])
     return y
+
+
+def _transfer_dense(x, fine, interp, restrict, to_fine, xp):
+    """:func:`_transfer` as one dense 1D matrix per axis, a (batched) GEMM each (CuPy)."""
+    def apply(k, y3):
+        A = _axis_matrix(fine[k], interp, restrict, to_fine, x.dtype, xp)
+        if y3.shape[2] == 1:  # the last axis: one GEMM over every row
+            return (y3.reshape(y3.shape[0], -1) @ A.T)[:, :, None]
+        return xp.matmul(A, y3)
+    return _per_axis(x, len(fine), apply)
 
 
 def _transfer_sparse(x, fine, interp, restrict, to_fine):
     """:func:`_transfer` on the CPU: the sparse 1D operator of each axis (at most 4 terms a
     row) in one Numba pass per axis."""
     from .numba_cpu import apply_axis_operator
-    d = len(fine)
-    y = np.ascontiguousarray(x)
-    for k in reversed(range(d)):
+
+    def apply(k, y3):
         indptr, cols, w = _axis_csr(fine[k], interp, restrict, to_fine, x.dtype)
-        shape = y.shape
-        ax = y.ndim - d + k
-        pre, n = int(np.prod(shape[:ax])), shape[ax]
-        post = int(np.prod(shape[ax + 1:]))
-        z = apply_axis_operator(y.reshape(pre, n, post), indptr, cols, w, len(indptr) - 1)
-        y = z.reshape(shape[:ax] + (len(indptr) - 1,) + shape[ax + 1:])
-    return y
+        return apply_axis_operator(y3, indptr, cols, w, len(indptr) - 1)
+    return _per_axis(np.ascontiguousarray(x), len(fine), apply)
 
 
 _CSR = {}  # (n, interp, restrict, to_fine, dtype) -> (indptr, cols, weights)

@@ -955,21 +955,11 @@ def recurrent_sweep_back_check(cell, lam, U, D, Wih, Whh, dt, mode, DGI, DGH):
 def recurrent_sweep_forward(cell, gi0, U, WihT, WhhT, bih, bhh, D, dt, mode):
     """U[n + 1] = the step of every layer out of U[n] for n = 0..L-1 (in place), and D[n, k]
     the gate caches (if D has L rows). Reference: the gate kernels step after step."""
-    L, B, nl, H, G = recurrent_sweep_check(cell, gi0, U, WihT, WhhT, bih, bhh, D, dt, mode)
+    L = recurrent_sweep_check(cell, gi0, U, WihT, WhhT, bih, bhh, D, dt, mode)[0]
     for n in range(L):
-        inp = None
-        for k in range(nl):
-            gi = gi0[:, n] if k == 0 else inp @ WihT[k] + bih[k]
-            hk = np.ascontiguousarray(U[n, :, k])
-            gh = hk @ WhhT[k] + bhh[k]
-            if cell == 0:
-                out, cache = gru_gates_forward(np.ascontiguousarray(gi), gh, hk, dt, mode)
-            else:
-                out, cache = rnn_gates_forward(np.ascontiguousarray(gi), gh, hk, dt)
-            U[n + 1, :, k] = out
-            if D.shape[0]:
-                D[n, k] = cache.reshape(B, -1)
-            inp = out
+        U[n + 1], caches = _rec_step(cell, U[n], gi0[:, n], WihT, WhhT, bih, bhh, dt, mode)
+        if D.shape[0]:
+            D[n] = np.stack(caches)
 
 
 def recurrent_sweep_backward(cell, lam, U, D, Wih, Whh, dt, mode, DGI, DGH):
@@ -1000,19 +990,20 @@ def recurrent_sweep_backward(cell, lam, U, D, Wih, Whh, dt, mode, DGI, DGH):
 
 
 def _rec_step(cell, src, gi_t, WihT, WhhT, bih, bhh, dt, mode):
-    """Every layer's cell out of src (B, nl, H) with layer 0's input projection gi_t (B, G H)."""
-    dst = np.empty_like(src)
+    """(dst, caches): every layer's cell out of src (B, nl, H) with layer 0's input projection
+    gi_t (B, G H); caches[k] (B, C H) the gate cache of layer k."""
+    dst, caches = np.empty_like(src), []
     inp = None
     for k in range(src.shape[1]):
-        gi = gi_t if k == 0 else inp @ WihT[k] + bih[k]
+        gi = np.ascontiguousarray(gi_t if k == 0 else inp @ WihT[k] + bih[k])
         hk = np.ascontiguousarray(src[:, k])
         gh = hk @ WhhT[k] + bhh[k]
-        gi = np.ascontiguousarray(gi)
-        out = (gru_gates_forward(gi, gh, hk, dt, mode) if cell == 0 else
-               rnn_gates_forward(gi, gh, hk, dt))[0]
+        out, cache = (gru_gates_forward(gi, gh, hk, dt, mode) if cell == 0 else
+                      rnn_gates_forward(gi, gh, hk, dt))
         dst[:, k] = out
+        caches.append(cache.reshape(src.shape[0], -1))
         inp = out
-    return dst
+    return dst, caches
 
 
 def recurrent_stacked_check(cell, gi0, U, G, R, idx, layer0, layer_step, WihT, WhhT, bih, bhh,
@@ -1073,8 +1064,7 @@ def recurrent_chains_forward(cell, gi0, U, G, chains, layer0, layer_step, WihT, 
     for first, n in chains.tolist():
         for i in range(first, first + n):
             t = layer0 + i * layer_step
-            y = _rec_step(cell, U[i - 1], np.ascontiguousarray(gi0[:, t]), WihT, WhhT, bih, bhh,
-                          dt, mode)
+            y = _rec_step(cell, U[i - 1], gi0[:, t], WihT, WhhT, bih, bhh, dt, mode)[0]
             U[i] = y if G is None else y + G[i]
 
 
@@ -1087,7 +1077,6 @@ def recurrent_points_forward(cell, gi0, U, G, R, slots, out_slots, layer0, layer
     r2 = 0.0
     for i, o in zip(slots.tolist(), outs.tolist()):
         t = layer0 + i * layer_step
-        phi = _rec_step(cell, U[i - 1], np.ascontiguousarray(gi0[:, t]), WihT, WhhT, bih, bhh,
-                        dt, mode)
+        phi = _rec_step(cell, U[i - 1], gi0[:, t], WihT, WhhT, bih, bhh, dt, mode)[0]
         r2 += _points_out(phi, U, G, R, i, o, point_mode)
     return r2
