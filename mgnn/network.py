@@ -447,7 +447,10 @@ class AdjointPropagator:
         fused = self.kind.fused
         self.batched = fused and bool(getattr(bk, "batched_relaxation", False))
         self.fused_rhs = True
-        self.stacked = fused and _has_stacked(bk)
+        # recurrent kinds: stacked adjoint kernels of their own, on a StackedLinearization D
+        self._layered = not fused and callable(getattr(self.kind, "chains_adjoint_layers",
+                                                       None)) and self.kind.can_stack_adjoint(bk)
+        self.stacked = (fused and _has_stacked(bk)) or self._layered
         self.captures = self.stacked and self.kind.can_replay(bk)
         self.graphs = self.stacked and bool(getattr(bk, "graphs", False))
         self.derivs, self.d0 = None, 0  # sigma' of layers d0, d0 + 1, ... as one array
@@ -482,14 +485,29 @@ class AdjointPropagator:
         """Stacked relaxation: slot i is reversed index origin + i stride; the step into it is
         the vjp of layer N - origin - i stride with sigma' from :attr:`derivs`."""
         h = self.dtype.type(stride * self.h)
+        if self._layered:
+            return self.kind.chains_adjoint_layers(self.P, L, G, chains, self.N - origin,
+                                                   -stride, h, self._linearization(), self.bk,
+                                                   self.ctx)
         self.kind.chains_adjoint(self.W, *self._stacked_derivs(), L, G, chains, self.N - origin,
                                  -stride, h, self.bk)
 
     def points(self, L, G, R, slots, out_slots, origin, stride, level, mode):
         """Stacked residual / FAS / plain adjoint steps (see :meth:`advance`)."""
         h = self.dtype.type(stride * self.h)
+        if self._layered:
+            return self.kind.points_adjoint_layers(self.P, L, G, R, slots, out_slots,
+                                                   self.N - origin, -stride, h, mode,
+                                                   self._linearization(), self.bk, self.ctx)
         return self.kind.points_adjoint(self.W, *self._stacked_derivs(), L, G, R, slots,
                                         out_slots, self.N - origin, -stride, h, mode, self.bk)
+
+    def _linearization(self):
+        """The recurrent kinds' stacked linearisation (:meth:`reset`'s ``derivs``)."""
+        if not hasattr(self.D, "u_off"):
+            raise TypeError("the stacked recurrent adjoint needs a StackedLinearization as "
+                            f"reset()'s derivs, got {type(self.D).__name__}")
+        return self.D
 
     def _stacked_derivs(self):
         """(sigma' array, first layer): :attr:`derivs` if set, else built once from ``derivs``
@@ -1211,7 +1229,16 @@ class LayerParallel:
         # the linearisation caches D[n] of the owned layers at the final forward states:
         # composed kinds one per layer; fused kinds sigma' of layer n in row n - lo of derivs
         derivs = None
-        if not m.step.fused:
+        solver = self._solver("adjoint", self.bwd or self._serial_opts)
+        layered = not m.step.fused and solver.prop._layered
+        if layered:  # recurrent kinds: every owned step's caches in one call, from the store
+            if res.store is not None:
+                Uf, first = res.store[0], lo - res.store[1] + 1
+            else:  # the forward ran on the list engine: its states stacked once
+                Uf, first = self.xp.stack([U[n] for n in owned] or [template]), 0
+            D = m.step.linearize_stacked(steps, Uf, first, len(owned), lo, bk, self.ctx,
+                                         self._reused)
+        elif not m.step.fused:
             D = [None] * N
             for n in owned:
                 D[n] = m.step.linearize(steps, n, U[n], bk, self.ctx)
@@ -1248,7 +1275,6 @@ class LayerParallel:
             lam_N = self._reused("zeros", template.shape, template.dtype)
         else:
             lam_N = self.xp.zeros_like(template)
-        solver = self._solver("adjoint", self.bwd or self._serial_opts)
         solver.prop.reset(U, D)
         solver.prop.derivs, solver.prop.d0 = derivs, lo
         self._refresh_replica(solver, derivs)
@@ -1267,7 +1293,18 @@ class LayerParallel:
         # one unless lam at index hi is here too), then (after the halo) the last layer
         n_ready = len(owned) if lam[hi] is not None else max(len(owned) - 1, 0)
         ready, rest = owned[:n_ready], owned[n_ready:]
-        if stacked and adj.store is not None:
+        if layered and adj.store is not None:  # cotangents from the store, then the halo's
+            L, a_l = adj.store
+            parts = [(L, N - lo - a_l, -1, n_ready)]
+            if rest:
+                t1 = time.perf_counter()
+                finish()
+                t0 += time.perf_counter() - t1
+                parts.append((lam[hi][None], 0, 0, len(rest)))
+            m.step.vjp_params_stacked_layers(steps, parts, D, bk, self.ctx,
+                                             grads.group(m.step_prefix), self._reused)
+            groups = ()
+        elif stacked and adj.store is not None:
             L, a_l = adj.store  # lam at forward n + 1 = adjoint point N - n - 1: slot N - n - a_l
             m.step.vjp_params_stacked(L, N - lo - a_l, -1, derivs, res.store[0], lo - a_f + 1,
                                       n_ready, lo, m.dtype.type(m.h), gW, gb, bk)
@@ -1284,7 +1321,7 @@ class LayerParallel:
                 m.step.vjp_params_batched([U[n] for n in group], m.h,
                                           [lam[n + 1] for n in group], [D[n] for n in group],
                                           list(group), gW, gb, bk)
-        if not m.step.fused:  # one call over every owned step (shared weights: a GEMM each)
+        if not m.step.fused and groups:  # one call over the owned steps (a GEMM each)
             m.step.vjp_params_steps(steps, owned, U, D, lam, m.dtype.type(m.h), bk, self.ctx, G)
         timings["steps"] += time.perf_counter() - t0
         finish()

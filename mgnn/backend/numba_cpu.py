@@ -30,8 +30,9 @@ def overload(fn, **options):
 
 from . import tape as _T
 from .numpy_ref import (_int, bn_dims, check_stacked, conv3d_check, gate_check,
-                        recurrent_stacked_check, recurrent_sweep_back_check,
-                        recurrent_sweep_check)
+                        recurrent_adjoint_check, recurrent_caches_check,
+                        recurrent_cotangents_check, recurrent_stacked_check,
+                        recurrent_sweep_back_check, recurrent_sweep_check)
 
 name = "numba"
 xp = np  #: array module of this backend
@@ -1923,19 +1924,27 @@ def _rec_points(cell, gi0, U, G, has_g, R, slots, outs, layer0, layer_step, WihT
         i, o = slots[p], outs[p]
         _rec_step(cell, U[i - 1], phi, gi0, layer0 + i * layer_step, WihT, WhhT, bih, bhh, dt,
                   mode, one, hk, inp, gi, out, cache, none, 0)
-        if point_mode == 1:
-            R[o] += U[i]
-            R[o] -= phi
-            continue
-        if point_mode == 0:
-            R[o] = phi - U[i]
-        else:
-            R[o] = phi
-        if has_g:
-            R[o] += G[i]
-        if point_mode == 0:
-            for v in R[o].ravel():
-                r2 += float(v) * float(v)
+        r2 += _rec_point_out(phi, U, G, has_g, R, i, o, point_mode)
+    return r2
+
+
+@njit(cache=True)
+def _rec_point_out(phi, U, G, has_g, R, i, o, point_mode):
+    """R[o] from the step phi into slot i (STACKED_KERNELS' modes); ||R[o]||^2 in mode 0."""
+    if point_mode == 1:
+        R[o] += U[i]
+        R[o] -= phi
+        return 0.0
+    if point_mode == 0:
+        R[o] = phi - U[i]
+    else:
+        R[o] = phi
+    if has_g:
+        R[o] += G[i]
+    r2 = 0.0
+    if point_mode == 0:
+        for v in R[o].ravel():
+            r2 += float(v) * float(v)
     return r2
 
 
@@ -1946,43 +1955,120 @@ def _flushed(v, tiny):
 
 
 @njit(cache=True)
-def _sweep_back(cell, lam, U, D, Wih, Whh, dt, mode, DGI, DGH, tiny):
-    L, nl, B, H = D.shape[0], D.shape[1], D.shape[2], lam.shape[2]
+def _rec_back_scratch(lam, GH):
+    B, H = lam.shape[-3], lam.shape[-1]
+    return (np.empty((B, H), lam.dtype), np.empty((B, H), lam.dtype), np.empty((B, H), lam.dtype),
+            np.empty((B, GH), lam.dtype), np.empty((B, GH), lam.dtype),
+            np.empty((B, H), lam.dtype))
+
+
+@njit(cache=True)
+def _rec_back_step(cell, lam, dst, Ut, Dt, Wih, Whh, dt, mode, one, tiny, g, hk, dh, dgi, dgh,
+                   carry, DGI, DGH, row):
+    """dst (B, nl, H) = the vjp of a time step at the state Ut (B, nl, H) with the gate caches
+    Dt (nl, B, C H) applied to the cotangent lam (B, nl, H) of its output (dst is not lam);
+    DGI[row, k] / DGH[row, k] (B, G H) receive layer k's input / hidden projection cotangents
+    when DGI has rows. Cotangents below ``tiny`` are flushed to zero (0: none)."""
+    B, nl, H = lam.shape
     GH = Whh.shape[1]
+    for k in range(nl - 1, -1, -1):
+        for b in range(B):
+            for j in range(H):
+                g[b, j] = lam[b, k, j] + (carry[b, j] if k < nl - 1 else 0)
+                hk[b, j] = Ut[b, k, j]
+            if cell == 0:
+                _gru_vjp_row(b, g, hk, Dt[k], dh, dgi, dgh, dt, mode, one)
+            else:
+                _rnn_vjp_row(b, g, Dt[k], dh, dgi, dt, one)
+                for j in range(GH):
+                    dgh[b, j] = dgi[b, j]
+        for b in range(B):
+            for j in range(GH):
+                dgi[b, j] = _flushed(dgi[b, j], tiny)
+                dgh[b, j] = _flushed(dgh[b, j], tiny)
+        back = np.dot(dgh, Whh[k])
+        for b in range(B):
+            for j in range(H):
+                dst[b, k, j] = _flushed(dh[b, j] + back[b, j], tiny)
+        if DGI.shape[0] > 0:
+            for b in range(B):
+                for j in range(GH):
+                    DGI[row, k, b, j] = dgi[b, j]
+                    DGH[row, k, b, j] = dgh[b, j]
+        if k > 0:
+            carry[:, :] = np.dot(dgi, Wih[k])
+
+
+@njit(cache=True)
+def _sweep_back(cell, lam, U, D, Wih, Whh, dt, mode, DGI, DGH, tiny):
     one, dt = _typed(lam, dt)
     tiny = _typed(lam, tiny)[1]
     lam = lam.copy()
     out = np.empty_like(lam)
-    g, hk, dh = np.empty((B, H), lam.dtype), np.empty((B, H), lam.dtype), np.empty((B, H), lam.dtype)
-    dgi, dgh = np.empty((B, GH), lam.dtype), np.empty((B, GH), lam.dtype)
-    carry = np.zeros((B, H), lam.dtype)
-    for n in range(L - 1, -1, -1):
-        for k in range(nl - 1, -1, -1):
-            for b in range(B):
-                for j in range(H):
-                    g[b, j] = lam[b, k, j] + (carry[b, j] if k < nl - 1 else 0)
-                    hk[b, j] = U[n, b, k, j]
-                if cell == 0:
-                    _gru_vjp_row(b, g, hk, D[n, k], dh, dgi, dgh, dt, mode, one)
-                else:
-                    _rnn_vjp_row(b, g, D[n, k], dh, dgi, dt, one)
-                    for j in range(GH):
-                        dgh[b, j] = dgi[b, j]
-            for b in range(B):
-                for j in range(GH):
-                    dgi[b, j] = _flushed(dgi[b, j], tiny)
-                    dgh[b, j] = _flushed(dgh[b, j], tiny)
-            back = np.dot(dgh, Whh[k])
-            for b in range(B):
-                for j in range(H):
-                    out[b, k, j] = _flushed(dh[b, j] + back[b, j], tiny)
-                for j in range(GH):
-                    DGI[n, k, b, j] = dgi[b, j]
-                    DGH[n, k, b, j] = dgh[b, j]
-            if k > 0:
-                carry[:, :] = np.dot(dgi, Wih[k])
+    g, hk, dh, dgi, dgh, carry = _rec_back_scratch(lam, Whh.shape[1])
+    for n in range(D.shape[0] - 1, -1, -1):
+        _rec_back_step(cell, lam, out, U[n], D[n], Wih, Whh, dt, mode, one, tiny, g, hk, dh, dgi,
+                       dgh, carry, DGI, DGH, n)
         lam[:, :, :] = out
     return lam
+
+
+@njit(cache=True)
+def _rec_chains_adj(cell, L, G, has_g, chains, layer0, layer_step, U, u_off, D, d0, Wih, Whh,
+                    dt, mode, tiny):
+    one, dt = _typed(L, dt)
+    tiny = _typed(L, tiny)[1]
+    g, hk, dh, dgi, dgh, carry = _rec_back_scratch(L, Whh.shape[1])
+    none = np.empty((0, 1, 1, 1), L.dtype)
+    for c in range(chains.shape[0]):
+        for i in range(chains[c, 0], chains[c, 0] + chains[c, 1]):
+            t = layer0 + i * layer_step
+            _rec_back_step(cell, L[i - 1], L[i], U[t + u_off], D[t - d0], Wih, Whh, dt, mode,
+                           one, tiny, g, hk, dh, dgi, dgh, carry, none, none, 0)
+            if has_g:
+                L[i] += G[i]
+
+
+@njit(cache=True)
+def _rec_points_adj(cell, L, G, has_g, R, slots, outs, layer0, layer_step, U, u_off, D, d0, Wih,
+                    Whh, dt, mode, point_mode, tiny):
+    one, dt = _typed(L, dt)
+    tiny = _typed(L, tiny)[1]
+    g, hk, dh, dgi, dgh, carry = _rec_back_scratch(L, Whh.shape[1])
+    none = np.empty((0, 1, 1, 1), L.dtype)
+    phi = np.empty(L.shape[1:], L.dtype)
+    r2 = 0.0
+    for p in range(slots.shape[0]):
+        i, o = slots[p], outs[p]
+        t = layer0 + i * layer_step
+        _rec_back_step(cell, L[i - 1], phi, U[t + u_off], D[t - d0], Wih, Whh, dt, mode, one,
+                       tiny, g, hk, dh, dgi, dgh, carry, none, none, 0)
+        r2 += _rec_point_out(phi, L, G, has_g, R, i, o, point_mode)
+    return r2
+
+
+@njit(cache=True)
+def _rec_cotangents(cell, L, l0, l_step, U, u0, D, d0, count, Wih, Whh, dt, mode, DGI, DGH,
+                    row0, tiny):
+    one, dt = _typed(L, dt)
+    tiny = _typed(L, tiny)[1]
+    g, hk, dh, dgi, dgh, carry = _rec_back_scratch(L, Whh.shape[1])
+    phi = np.empty(L.shape[1:], L.dtype)
+    for p in range(count):
+        _rec_back_step(cell, L[l0 + p * l_step], phi, U[u0 + p], D[d0 + p], Wih, Whh, dt, mode,
+                       one, tiny, g, hk, dh, dgi, dgh, carry, DGI, DGH, row0 + p)
+
+
+@njit(cache=True)
+def _rec_caches(cell, gi0, U, first, count, layer0, WihT, WhhT, bih, bhh, D, Y, dt, mode):
+    one, dt = _typed(U, dt)
+    hk, inp, gi, out, cache = _rec_scratch(U, WhhT.shape[2], cell)
+    y = np.empty(U.shape[1:], U.dtype)
+    for p in range(count):
+        _rec_step(cell, U[first + p], y, gi0, layer0 + p, WihT, WhhT, bih, bhh, dt, mode, one,
+                  hk, inp, gi, out, cache, D, p)
+        if Y.shape[0] > 0:
+            Y[p] = y
 
 
 def recurrent_sweep_forward(cell, gi0, U, WihT, WhhT, bih, bhh, D, dt, mode):
@@ -2002,6 +2088,54 @@ def recurrent_sweep_backward(cell, lam, U, D, Wih, Whh, dt, mode, DGI, DGH):
     recurrent_sweep_back_check(cell, lam, U, D, Wih, Whh, dt, mode, DGI, DGH)
     return _sweep_back(cell, lam, U, D, Wih, Whh, float(dt), int(mode), DGI, DGH,
                        float(np.finfo(U.dtype).tiny))
+
+
+def _tiny(a):
+    return float(np.finfo(a.dtype).tiny)
+
+
+def recurrent_chains_adjoint(cell, L, G, chains, layer0, layer_step, U, u_off, D, d0, Wih, Whh,
+                             dt, mode):
+    """Stacked adjoint relaxation of a recurrent model, one Numba call per sweep: contract of
+    :func:`mgnn.backend.numpy_ref.recurrent_chains_adjoint`, with subnormal cotangents flushed
+    to zero as in :func:`recurrent_sweep_backward`."""
+    chains = recurrent_adjoint_check(cell, L, G, None, chains, layer0, layer_step, U, u_off, D,
+                                     d0, Wih, Whh, dt, mode)
+    _rec_chains_adj(cell, L, L if G is None else G, G is not None, chains, int(layer0),
+                    int(layer_step), U, int(u_off), D, int(d0), Wih, Whh, float(dt), int(mode),
+                    _tiny(L))
+
+
+def recurrent_points_adjoint(cell, L, G, R, slots, out_slots, layer0, layer_step, U, u_off, D,
+                             d0, Wih, Whh, dt, mode, point_mode):
+    """Adjoint residual / FAS / plain points of a recurrent model, one Numba call: contract of
+    :func:`mgnn.backend.numpy_ref.recurrent_points_adjoint` (subnormals flushed)."""
+    slots, outs = recurrent_adjoint_check(cell, L, G, R, slots, layer0, layer_step, U, u_off, D,
+                                          d0, Wih, Whh, dt, mode, out_slots, point_mode)
+    return _rec_points_adj(cell, L, L if G is None else G, G is not None, R, slots, outs,
+                           int(layer0), int(layer_step), U, int(u_off), D, int(d0), Wih, Whh,
+                           float(dt), int(mode), int(point_mode), _tiny(L))
+
+
+def recurrent_caches(cell, gi0, U, first, count, layer0, WihT, WhhT, bih, bhh, D, Y, dt, mode):
+    """The linearisation of ``count`` time steps at given states, one Numba call: contract of
+    :func:`mgnn.backend.numpy_ref.recurrent_caches`."""
+    first, count, layer0 = recurrent_caches_check(cell, gi0, U, first, count, layer0, WihT, WhhT,
+                                                  bih, bhh, D, Y, dt, mode)
+    if Y.shape[0] == 0:
+        Y = np.empty((0,) + U.shape[1:], U.dtype)
+    _rec_caches(cell, gi0, U, first, count, layer0, WihT, WhhT, bih, bhh, D, Y, float(dt),
+                int(mode))
+
+
+def recurrent_gate_cotangents(cell, L, l0, l_step, U, u0, D, d0, count, Wih, Whh, dt, mode, DGI,
+                              DGH, row0):
+    """The projection cotangents of ``count`` steps, one Numba call: contract of
+    :func:`mgnn.backend.numpy_ref.recurrent_gate_cotangents` (subnormals flushed)."""
+    l0, l_step, u0, d0, count, row0 = recurrent_cotangents_check(
+        cell, L, l0, l_step, U, u0, D, d0, count, Wih, Whh, dt, mode, DGI, DGH, row0)
+    _rec_cotangents(cell, L, l0, l_step, U, u0, D, d0, count, Wih, Whh, float(dt), int(mode),
+                    DGI, DGH, row0, _tiny(L))
 
 
 def recurrent_chains_forward(cell, gi0, U, G, chains, layer0, layer_step, WihT, WhhT, bih, bhh,

@@ -969,23 +969,9 @@ def recurrent_sweep_backward(cell, lam, U, D, Wih, Whh, dt, mode, DGI, DGH):
     them). Wih / Whh (nl, G H, H) (Wih[0] unused); D the forward's caches."""
     lam = np.ascontiguousarray(lam)
     recurrent_sweep_back_check(cell, lam, U, D, Wih, Whh, dt, mode, DGI, DGH)
-    L, nl, B = D.shape[0], D.shape[1], D.shape[2]
-    H = lam.shape[2]
-    for n in range(L - 1, -1, -1):
-        out = np.empty_like(lam)
-        carry = None
-        for k in range(nl - 1, -1, -1):
-            g = np.ascontiguousarray(lam[:, k]) if carry is None else lam[:, k] + carry
-            hk = np.ascontiguousarray(U[n, :, k])
-            if cell == 0:
-                dh, dgi, dgh = gru_gates_vjp(g, hk, D[n, k].reshape(B, 4, H), dt, mode)
-            else:
-                dh, dgi = rnn_gates_vjp(g, hk, np.ascontiguousarray(D[n, k]), dt)
-                dgh = dgi
-            out[:, k] = dh + dgh @ Whh[k]
-            DGI[n, k], DGH[n, k] = dgi, dgh
-            carry = dgi @ Wih[k] if k > 0 else None
-        lam = out
+    for n in range(D.shape[0] - 1, -1, -1):
+        lam, dgis, dghs = _rec_back(cell, lam, U[n], D[n], Wih, Whh, dt, mode)
+        DGI[n], DGH[n] = np.stack(dgis), np.stack(dghs)
     return lam
 
 
@@ -1080,3 +1066,204 @@ def recurrent_points_forward(cell, gi0, U, G, R, slots, out_slots, layer0, layer
         phi = _rec_step(cell, U[i - 1], gi0[:, t], WihT, WhhT, bih, bhh, dt, mode)[0]
         r2 += _points_out(phi, U, G, R, i, o, point_mode)
     return r2
+
+
+# --- the stacked adjoint of a recurrent model (the MGRIT adjoint solve, one call per sweep) ---
+# The linearisation of time step t is its gate caches D[t - d0] (nl, B, C H) at the forward state
+# U[t + u_off] (B, nl, H) (slots of the forward solve's store); the vjp of step t with the update
+# rule (dt, mode) of the level's step size maps the cotangent of u_{t+1} to that of u_t.
+
+def _rec_back(cell, lam, Ut, Dt, Wih, Whh, dt, mode):
+    """(cotangent of u_t (B, nl, H), [dgi_k], [dgh_k] (B, G H) for k = 0..nl-1) from the
+    cotangent ``lam`` (B, nl, H) of u_{t+1}, the state Ut (B, nl, H) and the caches Dt
+    (nl, B, C H) of step t: the gate kernels layer after layer, last layer first."""
+    B, nl, H = lam.shape
+    out, dgis, dghs = np.empty_like(lam), [None] * nl, [None] * nl
+    carry = None  # cotangent of layer k's new hidden state from layer k+1's input
+    for k in range(nl - 1, -1, -1):
+        g = np.ascontiguousarray(lam[:, k]) if carry is None else lam[:, k] + carry
+        hk = np.ascontiguousarray(Ut[:, k])
+        if cell == 0:
+            dh, dgi, dgh = gru_gates_vjp(g, hk, Dt[k].reshape(B, 4, H), dt, mode)
+        else:
+            dh, dgi = rnn_gates_vjp(g, hk, np.ascontiguousarray(Dt[k]), dt)
+            dgh = dgi
+        out[:, k] = dh + dgh @ Whh[k]
+        dgis[k], dghs[k] = dgi, dgh
+        carry = dgi @ Wih[k] if k > 0 else None
+    return out, dgis, dghs
+
+
+def _rec_lin_arrays(cell, L, U, D, Wih, Whh):
+    """Validate the stack L (m, B, nl, H), the states U (k, B, nl, H), the caches D
+    (nd, nl, B, C H) and Wih / Whh (nl, G H, H); returns (B, nl, H)."""
+    _recurrent_arrays(cell, getattr(L, "dtype", None), {"L": (L, getattr(L, "shape", ()))})
+    if L.ndim != 4:
+        raise ValueError(f"L must be a stack (m, B, nl, H), got shape {L.shape}")
+    _, B, nl, H = L.shape
+    GH, C = (3 * H, 4) if cell == 0 else (H, 1)
+    _recurrent_arrays(cell, L.dtype, {
+        "U": (U, (getattr(U, "shape", (0,))[0], B, nl, H)),
+        "D": (D, (getattr(D, "shape", (0,))[0], nl, B, C * H)),
+        "Wih": (Wih, (nl, GH, H)), "Whh": (Whh, (nl, GH, H))})
+    return B, nl, H
+
+
+def _rec_rows(first, last, u_off, d0, U, D):
+    """ValueError unless time steps first..last (first <= last) have states U[t + u_off] and
+    caches D[t - d0]."""
+    for t in (first, last):
+        if not 0 <= t + u_off < U.shape[0]:
+            raise ValueError(f"time step {t} reads state row {t + u_off} (u_off={u_off}), not in "
+                             f"0..{U.shape[0] - 1}")
+        if not 0 <= t - d0 < D.shape[0]:
+            raise ValueError(f"time step {t} reads cache row {t - d0} (d0={d0}), not in "
+                             f"0..{D.shape[0] - 1}")
+
+
+def recurrent_adjoint_check(cell, L, G, R, idx, layer0, layer_step, U, u_off, D, d0, Wih, Whh,
+                            dt, mode, out_slots=None, point_mode=None):
+    """Validate a stacked recurrent adjoint call (chains when R is None, else points); returns
+    the int64 chains (n, 2), or (slots (n,), out slots (n,)). L (m, B, nl, H) the adjoint
+    stack, G like L or None, R (r, B, nl, H) not sharing L's memory; the step into slot i is
+    the vjp of time step t = layer0 + i layer_step at the state U[t + u_off] with the caches
+    D[t - d0] (see :func:`recurrent_chains_adjoint`)."""
+    B, nl, H = _rec_lin_arrays(cell, L, U, D, Wih, Whh)
+    want = {}
+    if G is not None:
+        want["G"] = (G, L.shape)
+    if R is not None:
+        want["R"] = (R, (getattr(R, "shape", (0,))[0],) + L.shape[1:])
+    _recurrent_arrays(cell, L.dtype, want)
+    _step_rule(dt, mode)
+    if point_mode is not None and point_mode not in (0, 1, 2):
+        raise ValueError(f"unknown mode {point_mode!r}; expected 0 (residual), 1 (FAS), 2 (plain)")
+    layer0, layer_step = _int("layer0", layer0), _int("layer_step", layer_step)
+    u_off, d0 = _int("u_off", u_off), _int("d0", d0)
+    m = L.shape[0]
+    if R is None:
+        idx, outs = _index_array("chains", idx, 2), _NO_OUTS
+        code, k, lo, hi = index_check(idx, outs, m, 0)
+    else:
+        if np.may_share_memory(R, L):
+            raise ValueError("R shares memory with L; the output must be a different array")
+        idx = _index_array("slots", idx, 1)
+        outs = _index_array("out_slots", out_slots, 1)
+        if outs.shape != idx.shape:
+            raise ValueError(f"out_slots has shape {outs.shape}, slots {idx.shape}")
+        code, k, lo, hi = index_check(idx[:, None], outs, m, R.shape[0])
+    if code:
+        what = "chains" if R is None else ("out_slots" if code in (5, 6) else "slots")
+        why = _INDEX_FAULTS[code].format(m=m - 1, r=(0 if R is None else R.shape[0]) - 1)
+        raise ValueError(f"bad {what}: entry {k} {why}")
+    if lo <= hi:
+        t_lo, t_hi = sorted((layer0 + lo * layer_step, layer0 + hi * layer_step))
+        _rec_rows(t_lo, t_hi, u_off, d0, U, D)
+    return idx if R is None else (idx, outs)
+
+
+def recurrent_chains_adjoint(cell, L, G, chains, layer0, layer_step, U, u_off, D, d0, Wih, Whh,
+                             dt, mode):
+    """Stacked adjoint relaxation of a recurrent model: along each chain (first slot, length)
+    L[i] = the vjp of time step t = layer0 + i layer_step applied to L[i - 1] (+ G[i]), at the
+    state U[t + u_off] (B, nl, H) with the gate caches D[t - d0] (nl, B, C H) of
+    :func:`recurrent_sweep_forward`; Wih / Whh (nl, G H, H) (Wih[0] unused), dt / mode the
+    update rule of the level's step. Reference: the gate kernels step after step."""
+    chains = recurrent_adjoint_check(cell, L, G, None, chains, layer0, layer_step, U, u_off, D,
+                                     d0, Wih, Whh, dt, mode)
+    for first, n in chains.tolist():
+        for i in range(first, first + n):
+            t = layer0 + i * layer_step
+            y = _rec_back(cell, L[i - 1], U[t + u_off], D[t - d0], Wih, Whh, dt, mode)[0]
+            L[i] = y if G is None else y + G[i]
+
+
+def recurrent_points_adjoint(cell, L, G, R, slots, out_slots, layer0, layer_step, U, u_off, D,
+                             d0, Wih, Whh, dt, mode, point_mode):
+    """The adjoint step into each of L's ``slots`` (see :func:`recurrent_chains_adjoint`)
+    combined into R's ``out_slots`` (point_mode 0 residual, returns the squared norm; 1 FAS;
+    2 plain: STACKED_KERNELS' modes)."""
+    slots, outs = recurrent_adjoint_check(cell, L, G, R, slots, layer0, layer_step, U, u_off, D,
+                                          d0, Wih, Whh, dt, mode, out_slots, point_mode)
+    r2 = 0.0
+    for i, o in zip(slots.tolist(), outs.tolist()):
+        t = layer0 + i * layer_step
+        phi = _rec_back(cell, L[i - 1], U[t + u_off], D[t - d0], Wih, Whh, dt, mode)[0]
+        r2 += _points_out(phi, L, G, R, i, o, point_mode)
+    return r2
+
+
+def recurrent_caches_check(cell, gi0, U, first, count, layer0, WihT, WhhT, bih, bhh, D, Y, dt,
+                           mode):
+    """Validate a :func:`recurrent_caches` call; returns (first, count, layer0) as ints."""
+    _recurrent_arrays(cell, getattr(U, "dtype", None), {"U": (U, getattr(U, "shape", ()))})
+    if U.ndim != 4:
+        raise ValueError(f"U must be a stack (m, B, nl, H), got shape {U.shape}")
+    m, B, nl, H = U.shape
+    GH, C = (3 * H, 4) if cell == 0 else (H, 1)
+    first, count, layer0 = _int("first", first), _int("count", count), _int("layer0", layer0)
+    gi_shape = tuple(getattr(gi0, "shape", ()))
+    Ls = gi_shape[1] if len(gi_shape) == 3 else -1
+    want = {"gi0": (gi0, (B, Ls, GH)), **_weights(cell, nl, H, WihT, WhhT, bih, bhh),
+            "D": (D, (count, nl, B, C * H))}
+    if getattr(Y, "shape", (None,))[0] != 0:
+        want["Y"] = (Y, (count, B, nl, H))
+    _recurrent_arrays(cell, U.dtype, want)
+    _step_rule(dt, mode)
+    if count < 0 or (count and not (0 <= first and first + count <= m)):
+        raise ValueError(f"slots {first}..{first + count - 1} are not slots 0..{m - 1} of U")
+    if count and not (0 <= layer0 and layer0 + count <= Ls):
+        raise ValueError(f"time steps {layer0}..{layer0 + count - 1} are not in 0..{Ls - 1}")
+    return first, count, layer0
+
+
+def recurrent_caches(cell, gi0, U, first, count, layer0, WihT, WhhT, bih, bhh, D, Y, dt, mode):
+    """The linearisation of ``count`` time steps at given states: for p < count, time step
+    t = layer0 + p out of the state U[first + p] (B, nl, H): D[p] (nl, B, C H) its gate caches
+    and, if Y has rows, Y[p] (B, nl, H) its output (layer k's new hidden state is layer k+1's
+    input, which the weight gradients read). Arrays as in :func:`recurrent_sweep_forward`."""
+    first, count, layer0 = recurrent_caches_check(cell, gi0, U, first, count, layer0, WihT, WhhT,
+                                                  bih, bhh, D, Y, dt, mode)
+    for p in range(count):
+        t = layer0 + p
+        y, caches = _rec_step(cell, U[first + p], gi0[:, t], WihT, WhhT, bih, bhh, dt, mode)
+        D[p] = np.stack(caches)
+        if Y.shape[0]:
+            Y[p] = y
+
+
+def recurrent_cotangents_check(cell, L, l0, l_step, U, u0, D, d0, count, Wih, Whh, dt, mode,
+                               DGI, DGH, row0):
+    """Validate a :func:`recurrent_gate_cotangents` call; returns its int arguments."""
+    B, nl, H = _rec_lin_arrays(cell, L, U, D, Wih, Whh)
+    GH = (3 if cell == 0 else 1) * H
+    ints = [_int(w, v) for w, v in (("l0", l0), ("l_step", l_step), ("u0", u0), ("d0", d0),
+                                    ("count", count), ("row0", row0))]
+    l0, l_step, u0, d0, count, row0 = ints
+    rows = getattr(DGI, "shape", (0,))[0]
+    _recurrent_arrays(cell, L.dtype, {"DGI": (DGI, (rows, nl, B, GH)),
+                                      "DGH": (DGH, (rows, nl, B, GH))})
+    _step_rule(dt, mode)
+    if count < 0:
+        raise ValueError(f"count must be >= 0, got {count}")
+    if count:
+        for what, a, step, n in (("L", l0, l_step, L.shape[0]), ("U", u0, 1, U.shape[0]),
+                                 ("D", d0, 1, D.shape[0]), ("DGI", row0, 1, rows)):
+            for i in (a, a + (count - 1) * step):
+                if not 0 <= i < n:
+                    raise ValueError(f"{what} row {i} is not in 0..{n - 1}")
+    return ints
+
+
+def recurrent_gate_cotangents(cell, L, l0, l_step, U, u0, D, d0, count, Wih, Whh, dt, mode, DGI,
+                              DGH, row0):
+    """For p < count: DGI[row0 + p, k], DGH[row0 + p, k] (B, G H) = the cotangents of layer
+    k's input and hidden projections in the vjp of a step at the state U[u0 + p] with the
+    caches D[d0 + p], applied to the cotangent L[l0 + p l_step] of its output (what the weight
+    gradients are GEMMs of, after the adjoint solve)."""
+    l0, l_step, u0, d0, count, row0 = recurrent_cotangents_check(
+        cell, L, l0, l_step, U, u0, D, d0, count, Wih, Whh, dt, mode, DGI, DGH, row0)
+    for p in range(count):
+        _, dgis, dghs = _rec_back(cell, L[l0 + p * l_step], U[u0 + p], D[d0 + p], Wih, Whh, dt,
+                                  mode)
+        DGI[row0 + p], DGH[row0 + p] = np.stack(dgis), np.stack(dghs)

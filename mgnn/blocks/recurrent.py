@@ -62,6 +62,7 @@ class RecurrentStep:
         self.in_features, self.hidden, self.n_layers = in_features, hidden, n_layers
         self.gates = 1 if cell == "rnn" else 3
         self.prefix = "rnn" if cell == "rnn" else "gru"
+        self._code = 0 if cell != "rnn" else 1  # the backend kernels' cell code
         self._identity = activation_code("identity")
 
     # ------------------------------------------------------------------------------ structure
@@ -210,7 +211,7 @@ class RecurrentStep:
             bih = np.stack([P[f"bias_ih_l{k}"] for k in range(self.n_layers)])
             bih[0] = 0  # layer 0's input bias is in the input projection
             bhh = np.stack([P[f"bias_hh_l{k}"] for k in range(self.n_layers)])
-            got = ctx.memo["rec_stack"] = (0 if self.cell != "rnn" else 1,
+            got = ctx.memo["rec_stack"] = (self._code,
                                            self._input_projection(P, ctx), WihT, WhhT, bih, bhh)
         return got
 
@@ -258,21 +259,97 @@ class RecurrentStep:
             return None
         dt, mode = self._rule(h)
         L, nl, B = D.shape[0], self.n_layers, U.shape[1]
-        H, GH = self.hidden, self.gates * self.hidden
+        GH = self.gates * self.hidden
         Wih, Whh = self._stacked_weights(P, transposed=False)
         DGI = np.empty((L, nl, B, GH), U.dtype)
         DGH = np.empty_like(DGI)
-        lam0 = sweep(0 if self.cell != "rnn" else 1, lam, U, D, Wih, Whh, dt, mode, DGI, DGH)
-        x = ctx.x
+        lam0 = sweep(self._code, lam, U, D, Wih, Whh, dt, mode, DGI, DGH)
+        self._weight_grads(G, DGI, DGH, ctx.x, U[1:], U[:-1])
+        return lam0
+
+    def _weight_grads(self, G, DGI, DGH, x, outputs, states):
+        """G[name] = every weight's gradient, one GEMM each, from the projection cotangents
+        DGI / DGH (S, nl, B, G H) of S consecutive steps, their inputs x (B, S, I) of layer 0,
+        their outputs (S, B, nl, H) (layer k's new hidden state is layer k+1's input; unused
+        when nl = 1) and the states (S, B, nl, H) they step out of."""
+        S, nl, B, GH = DGI.shape
+        H = self.hidden
         for k in range(nl):
-            dgi, dgh = DGI[:, k].reshape(L * B, GH), DGH[:, k].reshape(L * B, GH)
-            inp = (x.transpose(1, 0, 2).reshape(L * B, -1) if k == 0 else
-                   U[1:, :, k - 1].reshape(L * B, H))  # rows in (step, sample) order
+            dgi, dgh = DGI[:, k].reshape(S * B, GH), DGH[:, k].reshape(S * B, GH)
+            inp = (x.transpose(1, 0, 2).reshape(S * B, -1) if k == 0 else
+                   outputs[:, :, k - 1].reshape(S * B, H))  # rows in (step, sample) order
             G[f"weight_ih_l{k}"][...] = dgi.T @ inp
             G[f"bias_ih_l{k}"][...] = dgi.sum(axis=0)
-            G[f"weight_hh_l{k}"][...] = dgh.T @ U[:-1, :, k].reshape(L * B, H)
+            G[f"weight_hh_l{k}"][...] = dgh.T @ states[:, :, k].reshape(S * B, H)
             G[f"bias_hh_l{k}"][...] = dgh.sum(axis=0)
-        return lam0
+
+    # ---------------------------------------------- the stacked adjoint (MGRIT adjoint solve)
+    def can_stack_adjoint(self, bk):
+        """Whether ``bk`` has the stacked recurrent adjoint kernels (host arrays)."""
+        return self.can_stack(bk) and all(callable(getattr(bk, k, None)) for k in (
+            "recurrent_caches", "recurrent_chains_adjoint", "recurrent_points_adjoint",
+            "recurrent_gate_cotangents"))
+
+    def linearize_stacked(self, P, U, first, count, t0, bk, ctx, scratch):
+        """The linearisation of the ``count`` steps t0.. at the states U[first..] (a solver's
+        store, (m, B, nl, H)) in one backend call: a :class:`StackedLinearization` (gate caches
+        and outputs in arrays from ``scratch(name, shape, dtype)``)."""
+        B, nl, H = U.shape[1:]
+        C = 4 if self.cell != "rnn" else 1
+        D = scratch("recurrent caches", (count, nl, B, C * H), U.dtype)
+        Y = scratch("recurrent outputs", (count if nl > 1 else 0, B, nl, H), U.dtype)
+        dt, mode = self._rule(1.0)
+        cell, gi0, WihT, WhhT, bih, bhh = self._stack_args(P, ctx)
+        bk.recurrent_caches(cell, gi0, U, first, count, t0, WihT, WhhT, bih, bhh, D, Y, dt, mode)
+        return StackedLinearization(U, first - t0, D, t0, Y, C)
+
+    def _back_weights(self, P, ctx):
+        """(W_ih, W_hh) stacked (nl, G H, H), memoised per batch in the context."""
+        got = ctx.memo.get("rec_back")
+        if got is None:
+            got = ctx.memo["rec_back"] = self._stacked_weights(P, transposed=False)
+        return got
+
+    def chains_adjoint_layers(self, P, L, G, chains, layer0, layer_step, h, lin, bk, ctx):
+        """Stacked adjoint relaxation: along each chain L[i] = the vjp of step
+        t = layer0 + i layer_step (step size h) at the linearisation ``lin`` applied to L[i - 1]
+        (+ G[i])."""
+        dt, mode = self._rule(h)
+        Wih, Whh = self._back_weights(P, ctx)
+        bk.recurrent_chains_adjoint(self._code, L, G, chains, layer0, layer_step, lin.U,
+                                    lin.u_off, lin.D, lin.d0, Wih, Whh, dt, mode)
+
+    def points_adjoint_layers(self, P, L, G, R, slots, out_slots, layer0, layer_step, h,
+                              point_mode, lin, bk, ctx):
+        """Stacked adjoint residual / FAS / plain points (see :meth:`chains_adjoint_layers`)."""
+        dt, mode = self._rule(h)
+        Wih, Whh = self._back_weights(P, ctx)
+        return bk.recurrent_points_adjoint(self._code, L, G, R, slots, out_slots,
+                                           layer0, layer_step, lin.U, lin.u_off, lin.D, lin.d0,
+                                           Wih, Whh, dt, mode, point_mode)
+
+    def vjp_params_stacked_layers(self, P, parts, lin, bk, ctx, G, scratch):
+        """G[name] = the sum over every step of ``lin`` of (dPhi_t/dtheta)^T lam_{t+1}, written:
+        ``parts`` lists (L, l0, l_step, count) runs, in step order, that hold lam_{t+1} of the
+        steps in turn (L[l0 + p l_step] for the p-th step of the run); one backend call per run
+        for the projection cotangents, then one GEMM per weight."""
+        S, nl, B = lin.D.shape[:3]
+        GH = self.gates * self.hidden
+        DGI = scratch("recurrent dgi", (S, nl, B, GH), lin.D.dtype)
+        DGH = scratch("recurrent dgh", (S, nl, B, GH), lin.D.dtype)
+        dt, mode = self._rule(1.0)
+        Wih, Whh = self._back_weights(P, ctx)
+        row = 0
+        for L, l0, l_step, count in parts:
+            bk.recurrent_gate_cotangents(self._code, L, l0, l_step, lin.U,
+                                         lin.d0 + lin.u_off + row, lin.D, row, count, Wih, Whh,
+                                         dt, mode, DGI, DGH, row)
+            row += count
+        if row != S:
+            raise ValueError(f"the runs cover {row} steps, the linearisation {S}")
+        t0, first = lin.d0, lin.d0 + lin.u_off
+        self._weight_grads(G, DGI, DGH, ctx.x[:, t0:t0 + S], lin.Y,
+                           lin.U[first:first + S])
 
     def vjp_state_layer(self, P, n, cache, lam, h, bk, ctx):
         """J_n^T lam: the cotangent of u_n from the cotangent ``lam`` of u_{n+1}."""
@@ -305,6 +382,30 @@ class RecurrentStep:
             G[f"bias_ih_l{k}"][...] = dgi.sum(axis=0)
             G[f"weight_hh_l{k}"][...] = dgh.T @ hh
             G[f"bias_hh_l{k}"][...] = dgh.sum(axis=0)
+
+
+class StackedLinearization:
+    """The linearisation of steps d0 .. d0 + S - 1 of a recurrent model at given states, in
+    arrays: the state of step t is U[t + u_off] (B, nl, H) (a solver's store), its gate caches
+    D[t - d0] (nl, B, C H) and, with more than one layer, its output Y[t - d0] (B, nl, H).
+    ``lin[t]`` is step t's cache in the single-state protocol (per layer: gate cache, layer
+    input or None for layer 0, hidden state), for the list engine's steps."""
+
+    __slots__ = ("U", "u_off", "D", "d0", "Y", "C")
+
+    def __init__(self, U, u_off, D, d0, Y, C):
+        self.U, self.u_off, self.D, self.d0, self.Y, self.C = U, u_off, D, d0, Y, C
+
+    def __getitem__(self, t):
+        k = t - self.d0
+        if not 0 <= k < self.D.shape[0]:
+            return None
+        u = self.U[t + self.u_off]
+        B, H = u.shape[0], u.shape[2]
+        shape = (B, self.C, H) if self.C > 1 else (B, H)
+        return [(self.D[k, j].reshape(shape),
+                 None if j == 0 else np.ascontiguousarray(self.Y[k, :, j - 1]),
+                 np.ascontiguousarray(u[:, j])) for j in range(u.shape[1])]
 
 
 class ZeroOpening:

@@ -117,7 +117,7 @@ def test_stacked_mgrit_forward_equals_the_list_engine(make, backend, rng, monkey
     model = make()
     lp = mgnn.LayerParallel(model, fwd, bwd, backend=backend)
     loss, g = lp.loss_and_grad(x, y)
-    assert lp._solver("forward", fwd).engine.stacked
+    assert lp._solver("forward", fwd).engine.stacked and lp._solver("adjoint", bwd).engine.stacked
     monkeypatch.setattr(RecurrentStep, "can_stack", lambda self, bk: False)
     ref = mgnn.LayerParallel(model, fwd, bwd, backend=backend)
     loss0, g0 = ref.loss_and_grad(x, y)
