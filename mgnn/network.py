@@ -1283,7 +1283,7 @@ class LayerParallel:
         if self.bwd is not None:
             stats["adjoint"] = {"residuals": list(adj.residuals), "iterations": adj.iterations,
                                 "converged": adj.converged}
-        lam = adj.states[::-1]  # lam[n] = adjoint at forward index n (owned entries)
+        lam = _Reversed(adj.states)  # lam[n] = adjoint at forward index n (owned entries)
         # lam at the next rank's first index is needed only by the last owned layer: its
         # message overlaps the parameter gradients of all the other layers
         finish = self._exchange_adjoint_halo(lam, timings)
@@ -1622,6 +1622,23 @@ def _has_stacked_grads(bk):
     """Whether ``bk`` has the stacked gradient kernels (mgnn.backend.STACKED_GRAD_KERNELS)."""
     from .backend import STACKED_GRAD_KERNELS
     return _has_stacked(bk) and all(callable(getattr(bk, k, None)) for k in STACKED_GRAD_KERNELS)
+
+
+class _Reversed:
+    """``lam[n]`` = ``states[len(states) - 1 - n]`` (a solve's states in reversed order, read
+    on access: no Python object per state); assigned entries (the halo's) override."""
+
+    __slots__ = ("states", "last", "set")
+
+    def __init__(self, states):
+        self.states, self.last, self.set = states, len(states) - 1, {}
+
+    def __getitem__(self, n):
+        got = self.set.get(n)
+        return self.states[self.last - n] if got is None else got
+
+    def __setitem__(self, n, value):
+        self.set[n] = value
 
 
 class _Rows:

@@ -993,7 +993,7 @@ def _rec_step(cell, src, gi_t, WihT, WhhT, bih, bhh, dt, mode):
 
 
 def recurrent_stacked_check(cell, gi0, U, G, R, idx, layer0, layer_step, WihT, WhhT, bih, bhh,
-                            dt, mode, out_slots=None, point_mode=None):
+                            dt, mode, out_slots=None, point_mode=None, index_check=index_check):
     """Validate a stacked recurrent kernel call (chains when R is None, else points); returns
     the int64 chains (n, 2), or (slots (n,), out slots (n,)). U (m, B, nl, H), G like U or
     None, R (r, B, nl, H) not sharing U's memory, gi0 (B, L, G H) and the weights as in
@@ -1122,7 +1122,7 @@ def _rec_rows(first, last, u_off, d0, U, D):
 
 
 def recurrent_adjoint_check(cell, L, G, R, idx, layer0, layer_step, U, u_off, D, d0, Wih, Whh,
-                            dt, mode, out_slots=None, point_mode=None):
+                            dt, mode, out_slots=None, point_mode=None, index_check=index_check):
     """Validate a stacked recurrent adjoint call (chains when R is None, else points); returns
     the int64 chains (n, 2), or (slots (n,), out slots (n,)). L (m, B, nl, H) the adjoint
     stack, G like L or None, R (r, B, nl, H) not sharing L's memory; the step into slot i is
