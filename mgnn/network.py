@@ -503,11 +503,24 @@ class AdjointPropagator:
                                         out_slots, self.N - origin, -stride, h, mode, self.bk)
 
     def _linearization(self):
-        """The recurrent kinds' stacked linearisation (:meth:`reset`'s ``derivs``)."""
-        if not hasattr(self.D, "u_off"):
-            raise TypeError("the stacked recurrent adjoint needs a StackedLinearization as "
-                            f"reset()'s derivs, got {type(self.D).__name__}")
-        return self.D
+        """The recurrent kinds' stacked linearisation: :meth:`reset`'s ``derivs`` if it is one,
+        else built once (per states and derivs given) at the forward states ``states`` (a list
+        or a {step: state} dict of consecutive steps: the single-state protocol's)."""
+        if hasattr(self.D, "u_off"):
+            return self.D
+        built = getattr(self, "_built", None)
+        if built is None or built[0] is not self.U or built[1] is not self.D:
+            U = self.U
+            steps = (sorted(U) if isinstance(U, dict) else
+                     [n for n in range(min(len(U), self.N)) if U[n] is not None])
+            if not steps or steps != list(range(steps[0], steps[0] + len(steps))):
+                raise ValueError("the stacked recurrent adjoint linearises at the forward states "
+                                 f"of consecutive steps; got states of steps {steps}")
+            Uf = np.stack([U[n] for n in steps])
+            lin = self.kind.linearize_stacked(self.P, Uf, 0, len(steps), steps[0], self.bk,
+                                              self.ctx, lambda name, shape, dt: np.empty(shape, dt))
+            built = self._built = (self.U, self.D, lin)
+        return built[2]
 
     def _stacked_derivs(self):
         """(sigma' array, first layer): :attr:`derivs` if set, else built once from ``derivs``
@@ -1295,14 +1308,17 @@ class LayerParallel:
         ready, rest = owned[:n_ready], owned[n_ready:]
         if layered and adj.store is not None:  # cotangents from the store, then the halo's
             L, a_l = adj.store
-            parts = [(L, N - lo - a_l, -1, n_ready)]
-            if rest:
+            waited = [0.0]
+
+            def halo_part():  # called after the ready steps' cotangents: the wait overlaps them
                 t1 = time.perf_counter()
                 finish()
-                t0 += time.perf_counter() - t1
-                parts.append((lam[hi][None], 0, 0, len(rest)))
+                waited[0] += time.perf_counter() - t1
+                return lam[hi][None], 0, 0, len(rest)
+            parts = [(L, N - lo - a_l, -1, n_ready)] + ([halo_part] if rest else [])
             m.step.vjp_params_stacked_layers(steps, parts, D, bk, self.ctx,
                                              grads.group(m.step_prefix), self._reused)
+            t0 += waited[0]  # the wait is halo time, not step time
             groups = ()
         elif stacked and adj.store is not None:
             L, a_l = adj.store  # lam at forward n + 1 = adjoint point N - n - 1: slot N - n - a_l

@@ -82,7 +82,9 @@ def markdown(rows):
     for r in rows:
         groups.setdefault(key(r), []).append(r)
     for (w, coarse, cf, nrelax, levels), rs in groups.items():
-        cells = [f"{r['residual']:.1e} / {r['loss']:.3g} / {r['grad_err']:.1e}" for r in rs]
+        by_cycles = {r["cycles"]: r for r in rs}  # columns in the header's (sorted) order
+        cells = [f"{r['residual']:.1e} / {r['loss']:.3g} / {r['grad_err']:.1e}" if r else "-"
+                 for r in (by_cycles.get(k) for k in sorted({q['cycles'] for q in rows}))]
         out.append(f"| {w} (serial loss {rs[0]['serial_loss']:.3g}) | {coarse} | {cf} | "
                    f"{','.join(map(str, nrelax))} | {levels} | " + " | ".join(cells) + " |")
     return "\n".join(out)
@@ -100,6 +102,9 @@ def main(argv=None):
     from mgnn.train import load_checkpoint
     ckpt = load_checkpoint(a.checkpoint)
     config = ckpt["header"]["model_config"]
+    if config.get("model") != "gru":
+        raise ValueError(f"the checkpoint holds a {config.get('model')!r} model; this study "
+                         "takes a GRU (mgnn train --model gru)")
     if a.samples < 1:
         raise SystemExit(f"--samples must be >= 1, got {a.samples}")
     ds = load_sine(config["seq_len"], seed=ckpt["header"]["meta"].get("seed", 0))

@@ -46,10 +46,21 @@ def test_study_of_a_checkpoint_converges_at_initial_weights(tmp_path, capsys):
     assert table.count("\n| trained") == 7 and "| 1 cycles: res / loss / grad err |" in table
 
 
-def test_study_refuses_a_non_gru_checkpoint(tmp_path):
+@pytest.mark.parametrize("kind", ["rnn", "dense"])
+def test_study_refuses_a_non_gru_checkpoint(tmp_path, kind):
     study = _script()
-    model = mgnn.rnn_classifier(1, 3, 2, 8, dtype="float32")
-    ckpt = tmp_path / "rnn.npz"
+    model = (mgnn.rnn_classifier(1, 3, 2, 8, dtype="float32") if kind == "rnn" else
+             mgnn.dense_resnet(4, 4, 2, 4, dtype="float32"))
+    ckpt = tmp_path / f"{kind}.npz"
     save_checkpoint(ckpt, model, Adam(model.params, lr=1e-3), 1, 1, np.random.default_rng(0))
-    with pytest.raises(ValueError, match="holds a 'rnn' model; this study takes a GRU"):
+    with pytest.raises(ValueError, match=f"holds a '{kind}' model; this study takes a GRU"):
         study.main(["--checkpoint", str(ckpt), "--cycles", "1"])
+
+
+def test_markdown_columns_follow_the_header_whatever_the_cycle_order():
+    study = _script()
+    rows = [dict(weights="trained", serial_loss=1.0, coarse="implicit", cf=4, nrelax=[1],
+                 levels=2, cycles=k, residual=float(k), loss=1.0, grad_err=0.5) for k in (4, 1)]
+    header, _, line = study.markdown(rows).splitlines()
+    assert header.index("1 cycles") < header.index("4 cycles")
+    assert line.index("1.0e+00 /") < line.index("4.0e+00 /")

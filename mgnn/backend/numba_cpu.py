@@ -1848,6 +1848,7 @@ def apply_axis_operator(x, indptr, cols, weights, m):
 
 #: Multiply-adds up to which the recurrent kernels' small GEMMs run as loops (a BLAS call
 #: costs ~150 ns on its own: at B = H = 4 the loop is 2x faster; measured crossover ~10k).
+#: Numba freezes it into the compiled (and cached) kernels: changing it at run time does nothing.
 SMALL_GEMM = 8192
 
 
@@ -1990,7 +1991,8 @@ def _rec_back_scratch(lam, GH):
 def _rec_back_step(cell, lam, dst, Ut, Dt, Wih, Whh, dt, mode, one, tiny, g, hk, dh, dgi, dgh,
                    carry, DGI, DGH, row):
     """dst (B, nl, H) = the vjp of a time step at the state Ut (B, nl, H) with the gate caches
-    Dt (nl, B, C H) applied to the cotangent lam (B, nl, H) of its output (dst is not lam);
+    Dt (nl, B, C H) applied to the cotangent lam (B, nl, H) of its output (dst is not lam; an
+    empty (0, nl, H) dst skips it and its GEMMs);
     DGI[row, k] / DGH[row, k] (B, G H) receive layer k's input / hidden projection cotangents
     when DGI has rows. Cotangents below ``tiny`` are flushed to zero (0: none). g, hk, dh
     (B, H), dgi, dgh (B, G H) and carry (2, B, H) are scratch (:func:`_rec_back_scratch`)."""
@@ -2011,11 +2013,12 @@ def _rec_back_step(cell, lam, dst, Ut, Dt, Wih, Whh, dt, mode, one, tiny, g, hk,
             for j in range(GH):
                 dgi[b, j] = _flushed(dgi[b, j], tiny)
                 dgh[b, j] = _flushed(dgh[b, j], tiny)
-        back = carry[1]
-        _mm(dgh, Whh[k], back)
-        for b in range(B):
-            for j in range(H):
-                dst[b, k, j] = _flushed(dh[b, j] + back[b, j], tiny)
+        if dst.shape[0] > 0:  # an empty dst: the projection cotangents only
+            back = carry[1]
+            _mm(dgh, Whh[k], back)
+            for b in range(B):
+                for j in range(H):
+                    dst[b, k, j] = _flushed(dh[b, j] + back[b, j], tiny)
         if DGI.shape[0] > 0:
             for b in range(B):
                 for j in range(GH):
@@ -2079,7 +2082,7 @@ def _rec_cotangents(cell, L, l0, l_step, U, u0, D, d0, count, Wih, Whh, dt, mode
     one, dt = _typed(L, dt)
     tiny = _typed(L, tiny)[1]
     g, hk, dh, dgi, dgh, carry = _rec_back_scratch(L, Whh.shape[1])
-    phi = np.empty(L.shape[1:], L.dtype)
+    phi = np.empty((0,) + L.shape[2:], L.dtype)  # no state cotangent: DGI / DGH only
     for p in range(count):
         _rec_back_step(cell, L[l0 + p * l_step], phi, U[u0 + p], D[d0 + p], Wih, Whh, dt, mode,
                        one, tiny, g, hk, dh, dgi, dgh, carry, DGI, DGH, row0 + p)

@@ -459,9 +459,9 @@ def index_check(idx, outs, m, n_out):
     return 0, 0, int(first[rows[0]]), int((first + n)[rows].max()) - 1
 
 
-_INDEX_FAULTS = {1: "has a negative length", 2: "(first, length) leaves the slots 1..{m} of U",
+_INDEX_FAULTS = {1: "has a negative length", 2: "(first, length) leaves the slots 1..{m} of {s}",
                  3: "overlaps or reads a slot another chain writes (chains must be independent)",
-                 4: "is not a slot 1..{m} of U", 5: "is not a slot 0..{r} of R"}
+                 4: "is not a slot 1..{m} of {s}", 5: "is not a slot 0..{r} of R"}
 _NO_OUTS = np.zeros(0, dtype=np.int64)
 
 
@@ -520,7 +520,7 @@ def check_stacked(kind, U, G, W, P, idx, layer0, layer_step, h, act=None, R=None
         raise ValueError(f"out_slots {outs.tolist()} repeats slot {k} of R")
     if code:
         name, arr = ("out_slots", outs) if code == 5 else (what, idx if R is None else idx[:, 0])
-        why = _INDEX_FAULTS[code].format(m=m - 1, r=n_out - 1)
+        why = _INDEX_FAULTS[code].format(m=m - 1, r=n_out - 1, s="U")
         raise ValueError(f"{name}[{k}] = {arr[k].tolist()} {why}")
     if lo_i <= hi_i:
         for i in (lo_i, hi_i):  # l is linear in i: the extreme slots bound the layers
@@ -896,10 +896,12 @@ def rnn_gates_vjp(g, h, deriv, dt):
 def _recurrent_arrays(cell, dtype, arrays):
     """ValueError naming the first of ``arrays`` ({name: (array, shape)}) that is not a
     C-contiguous float32/float64 array of ``dtype`` and its shape; checks ``cell``."""
-    if cell not in (0, 1):
+    if isinstance(cell, bool) or cell not in (0, 1):
         raise ValueError(f"cell must be 0 (GRU) or 1 (RNN), got {cell!r}")
     for name, (a, shape) in arrays.items():
-        if not isinstance(a, np.ndarray) or a.shape != tuple(shape) or a.dtype != dtype or \
+        if not isinstance(a, np.ndarray):
+            raise TypeError(f"{name} must be a NumPy array, got {type(a).__name__}")
+        if a.shape != tuple(shape) or a.dtype != dtype or \
                 a.dtype.char not in "fd" or not a.flags.c_contiguous:
             raise ValueError(f"{name} must be a C-contiguous {dtype} array of shape "
                              f"{tuple(shape)}, got {getattr(a, 'dtype', type(a).__name__)} "
@@ -910,8 +912,50 @@ def _step_rule(dt, mode):
     if isinstance(dt, bool) or not isinstance(dt, (int, float, np.floating, np.integer)) or \
             not np.isfinite(dt) or dt <= 0:
         raise ValueError(f"dt must be a finite real > 0, got {dt!r}")
-    if mode not in (0, 1):
+    if isinstance(mode, bool) or mode not in (0, 1):
         raise ValueError(f"mode must be 0 (explicit) or 1 (implicit), got {mode!r}")
+
+
+def _point_mode(point_mode):
+    """ValueError unless ``point_mode`` is None (chains) or a STACKED_KERNELS mode 0, 1, 2."""
+    if point_mode is not None and (isinstance(point_mode, bool) or point_mode not in (0, 1, 2)):
+        raise ValueError(f"unknown mode {point_mode!r}; expected 0 (residual), 1 (FAS), 2 (plain)")
+
+
+def _distinct(written, read):
+    """ValueError naming the first array of ``written`` ({name: array}) that shares memory with
+    another written one or with one of ``read`` (None entries skipped): a kernel's outputs
+    must not alias each other or its inputs."""
+    items = [(n, a) for n, a in written.items() if a is not None]
+    others = [(n, a) for n, a in read.items() if a is not None]
+    for k, (name, a) in enumerate(items):
+        for other, b in items[k + 1:] + others:
+            if other != name and np.may_share_memory(a, b):
+                raise ValueError(f"{name} shares memory with {other}; the kernel writes {name}, "
+                                 "so it must be a different array")
+
+
+def _rec_indices(idx, outs, m, R, what_m, index_check):
+    """The int64 chains (n, 2) (``R`` None) or (slots (n,), out slots (n,)) of a stacked
+    recurrent call on a stack of m slots; ValueError naming the first bad entry. Returns
+    (idx or (slots, outs), lo, hi): slots lo..hi are stepped into (lo > hi: none)."""
+    if R is None:
+        idx = _index_array("chains", idx, 2)
+        code, k, lo, hi = index_check(idx, _NO_OUTS, m, 0)
+    else:
+        idx = _index_array("slots", idx, 1)
+        outs = _index_array("out_slots", outs, 1)
+        if outs.shape != idx.shape:
+            raise ValueError(f"out_slots has shape {outs.shape}, slots {idx.shape}")
+        code, k, lo, hi = index_check(idx[:, None], outs, m, R.shape[0])
+    if code == 6:
+        raise ValueError(f"bad out_slots: {outs.tolist()} repeats slot {k} of R")
+    if code:
+        what = "chains" if R is None else ("out_slots" if code == 5 else "slots")
+        why = _INDEX_FAULTS[code].format(m=m - 1, r=(0 if R is None else R.shape[0]) - 1,
+                                         s=what_m)
+        raise ValueError(f"bad {what}: entry {k} {why}")
+    return (idx if R is None else (idx, outs)), lo, hi
 
 
 def _weights(cell, nl, H, WihT, WhhT, bih, bhh):
@@ -1013,31 +1057,16 @@ def recurrent_stacked_check(cell, gi0, U, G, R, idx, layer0, layer_step, WihT, W
         want["R"] = (R, (getattr(R, "shape", (0,))[0],) + U.shape[1:])
     _recurrent_arrays(cell, U.dtype, want)
     _step_rule(dt, mode)
-    if point_mode is not None and point_mode not in (0, 1, 2):
-        raise ValueError(f"unknown mode {point_mode!r}; expected 0 (residual), 1 (FAS), 2 (plain)")
+    _point_mode(point_mode)
     layer0, layer_step = _int("layer0", layer0), _int("layer_step", layer_step)
-    if R is None:
-        idx = _index_array("chains", idx, 2)
-        outs = _NO_OUTS
-        code, k, lo, hi = index_check(idx, outs, m, 0)
-    else:
-        if np.may_share_memory(R, U):
-            raise ValueError("R shares memory with U; the output must be a different array")
-        idx = _index_array("slots", idx, 1)
-        outs = _index_array("out_slots", out_slots, 1)
-        if outs.shape != idx.shape:
-            raise ValueError(f"out_slots has shape {outs.shape}, slots {idx.shape}")
-        code, k, lo, hi = index_check(idx[:, None], outs, m, R.shape[0])
-    if code:
-        what = "chains" if R is None else ("out_slots" if code in (5, 6) else "slots")
-        why = _INDEX_FAULTS[code].format(m=m - 1, r=(0 if R is None else R.shape[0]) - 1)
-        raise ValueError(f"bad {what}: entry {k} {why}")
+    _distinct({"U": U if R is None else None, "R": R}, {"U": U, "G": G, "gi0": gi0})
+    idx, lo, hi = _rec_indices(idx, out_slots, m, R, "U", index_check)
     if lo <= hi:
         for i in (lo, hi):
             if not 0 <= layer0 + i * layer_step < L:
                 raise ValueError(f"the step into slot {i} uses time step {layer0 + i * layer_step}"
                                  f" (layer0={layer0}, layer_step={layer_step}), not in 0..{L - 1}")
-    return idx if R is None else (idx, outs)
+    return idx
 
 
 def recurrent_chains_forward(cell, gi0, U, G, chains, layer0, layer_step, WihT, WhhT, bih, bhh,
@@ -1136,30 +1165,15 @@ def recurrent_adjoint_check(cell, L, G, R, idx, layer0, layer_step, U, u_off, D,
         want["R"] = (R, (getattr(R, "shape", (0,))[0],) + L.shape[1:])
     _recurrent_arrays(cell, L.dtype, want)
     _step_rule(dt, mode)
-    if point_mode is not None and point_mode not in (0, 1, 2):
-        raise ValueError(f"unknown mode {point_mode!r}; expected 0 (residual), 1 (FAS), 2 (plain)")
+    _point_mode(point_mode)
     layer0, layer_step = _int("layer0", layer0), _int("layer_step", layer_step)
     u_off, d0 = _int("u_off", u_off), _int("d0", d0)
-    m = L.shape[0]
-    if R is None:
-        idx, outs = _index_array("chains", idx, 2), _NO_OUTS
-        code, k, lo, hi = index_check(idx, outs, m, 0)
-    else:
-        if np.may_share_memory(R, L):
-            raise ValueError("R shares memory with L; the output must be a different array")
-        idx = _index_array("slots", idx, 1)
-        outs = _index_array("out_slots", out_slots, 1)
-        if outs.shape != idx.shape:
-            raise ValueError(f"out_slots has shape {outs.shape}, slots {idx.shape}")
-        code, k, lo, hi = index_check(idx[:, None], outs, m, R.shape[0])
-    if code:
-        what = "chains" if R is None else ("out_slots" if code in (5, 6) else "slots")
-        why = _INDEX_FAULTS[code].format(m=m - 1, r=(0 if R is None else R.shape[0]) - 1)
-        raise ValueError(f"bad {what}: entry {k} {why}")
+    _distinct({"L": L if R is None else None, "R": R}, {"L": L, "G": G, "U": U, "D": D})
+    idx, lo, hi = _rec_indices(idx, out_slots, L.shape[0], R, "L", index_check)
     if lo <= hi:
         t_lo, t_hi = sorted((layer0 + lo * layer_step, layer0 + hi * layer_step))
         _rec_rows(t_lo, t_hi, u_off, d0, U, D)
-    return idx if R is None else (idx, outs)
+    return idx
 
 
 def recurrent_chains_adjoint(cell, L, G, chains, layer0, layer_step, U, u_off, D, d0, Wih, Whh,
@@ -1202,6 +1216,8 @@ def recurrent_caches_check(cell, gi0, U, first, count, layer0, WihT, WhhT, bih, 
     m, B, nl, H = U.shape
     GH, C = (3 * H, 4) if cell == 0 else (H, 1)
     first, count, layer0 = _int("first", first), _int("count", count), _int("layer0", layer0)
+    if count < 0:
+        raise ValueError(f"count must be >= 0, got {count}")
     gi_shape = tuple(getattr(gi0, "shape", ()))
     Ls = gi_shape[1] if len(gi_shape) == 3 else -1
     want = {"gi0": (gi0, (B, Ls, GH)), **_weights(cell, nl, H, WihT, WhhT, bih, bhh),
@@ -1210,7 +1226,8 @@ def recurrent_caches_check(cell, gi0, U, first, count, layer0, WihT, WhhT, bih, 
         want["Y"] = (Y, (count, B, nl, H))
     _recurrent_arrays(cell, U.dtype, want)
     _step_rule(dt, mode)
-    if count < 0 or (count and not (0 <= first and first + count <= m)):
+    _distinct({"D": D, "Y": Y}, {"U": U, "gi0": gi0})
+    if count and not (0 <= first and first + count <= m):
         raise ValueError(f"slots {first}..{first + count - 1} are not slots 0..{m - 1} of U")
     if count and not (0 <= layer0 and layer0 + count <= Ls):
         raise ValueError(f"time steps {layer0}..{layer0 + count - 1} are not in 0..{Ls - 1}")
@@ -1244,6 +1261,7 @@ def recurrent_cotangents_check(cell, L, l0, l_step, U, u0, D, d0, count, Wih, Wh
     _recurrent_arrays(cell, L.dtype, {"DGI": (DGI, (rows, nl, B, GH)),
                                       "DGH": (DGH, (rows, nl, B, GH))})
     _step_rule(dt, mode)
+    _distinct({"DGI": DGI, "DGH": DGH}, {"L": L, "U": U, "D": D})
     if count < 0:
         raise ValueError(f"count must be >= 0, got {count}")
     if count:

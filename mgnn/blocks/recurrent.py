@@ -8,9 +8,13 @@ with ``shared = True``, whose parameters have no leading step axis and whose par
 is the sum over the steps, computed after the adjoint solve with one GEMM per weight.
 
 Gate arithmetic runs in the backend's recurrent kernels (``mgnn.backend.RECURRENT_KERNELS``:
-``gru_gates_forward`` / ``gru_gates_vjp`` / ``rnn_gates_forward`` / ``rnn_gates_vjp``), the
-GEMMs in the array module's matmul (BLAS / cuBLAS); the input projections of layer 0 for every
-step are one GEMM per call (they do not depend on the state).
+``gru_gates_forward`` / ``gru_gates_vjp`` / ``rnn_gates_forward`` / ``rnn_gates_vjp``); the
+input projections of layer 0 for every step are one GEMM per call (they do not depend on the
+state). Where the backend has them, whole sweeps, relaxation chains, points, linearisations and
+gate cotangents are one backend call each (``recurrent_sweep_forward`` ...
+``recurrent_gate_cotangents``; Numba: small GEMMs as loops, larger ones BLAS); the single-state
+protocol (the list engine, device arrays) uses the array module's matmul (BLAS / cuBLAS). The
+weight gradients are one GEMM per weight over all steps.
 
 Coarse MGRIT levels (step size ``h`` = the level's stride, the fine step being 1):
 ``coarse="rediscretise"`` applies the fine cell with the input at the coarse point;
@@ -48,7 +52,7 @@ class RecurrentStep:
         Coarse-level propagator (module docstring); 'implicit' needs a GRU cell.
     """
 
-    fused = False   # the single-state protocol (no stacked kernels)
+    fused = False   # not the dense / conv fused kernels: stacked steps via the *_layers methods
     shared = True   # one set of weights for every step: gradients are sums over the steps
 
     def __init__(self, cell, in_features, hidden, n_layers, coarse="rediscretise"):
@@ -61,6 +65,7 @@ class RecurrentStep:
         self.cell, self.coarse = cell, coarse
         self.in_features, self.hidden, self.n_layers = in_features, hidden, n_layers
         self.gates = 1 if cell == "rnn" else 3
+        self.cache_width = 4 if cell != "rnn" else 1  # gate caches per step: (B, C H) a layer
         self.prefix = "rnn" if cell == "rnn" else "gru"
         self._code = 0 if cell != "rnn" else 1  # the backend kernels' cell code
         self._identity = activation_code("identity")
@@ -244,7 +249,7 @@ class RecurrentStep:
         dt, mode = self._rule(h)
         L, B = U.shape[0] - 1, U.shape[1]
         cell, gi0, WihT, WhhT, bih, bhh = self._stack_args(P, ctx)
-        C = 4 if self.cell != "rnn" else 1
+        C = self.cache_width
         D = np.empty((L if store else 0, self.n_layers, B, C * self.hidden), U.dtype)
         sweep(cell, gi0, U, WihT, WhhT, bih, bhh, D, dt, mode)
         return D
@@ -260,7 +265,7 @@ class RecurrentStep:
         dt, mode = self._rule(h)
         L, nl, B = D.shape[0], self.n_layers, U.shape[1]
         GH = self.gates * self.hidden
-        Wih, Whh = self._stacked_weights(P, transposed=False)
+        Wih, Whh = self._back_weights(P, ctx)
         DGI = np.empty((L, nl, B, GH), U.dtype)
         DGH = np.empty_like(DGI)
         lam0 = sweep(self._code, lam, U, D, Wih, Whh, dt, mode, DGI, DGH)
@@ -274,6 +279,11 @@ class RecurrentStep:
         when nl = 1) and the states (S, B, nl, H) they step out of."""
         S, nl, B, GH = DGI.shape
         H = self.hidden
+        if S == 0:  # no steps here (a rank that owns none): this part of the sum is zero
+            for k in range(nl):
+                for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
+                    G[f"{name}_l{k}"][...] = 0
+            return
         for k in range(nl):
             dgi, dgh = DGI[:, k].reshape(S * B, GH), DGH[:, k].reshape(S * B, GH)
             inp = (x.transpose(1, 0, 2).reshape(S * B, -1) if k == 0 else
@@ -295,7 +305,7 @@ class RecurrentStep:
         store, (m, B, nl, H)) in one backend call: a :class:`StackedLinearization` (gate caches
         and outputs in arrays from ``scratch(name, shape, dtype)``)."""
         B, nl, H = U.shape[1:]
-        C = 4 if self.cell != "rnn" else 1
+        C = self.cache_width
         D = scratch("recurrent caches", (count, nl, B, C * H), U.dtype)
         Y = scratch("recurrent outputs", (count if nl > 1 else 0, B, nl, H), U.dtype)
         dt, mode = self._rule(1.0)
@@ -331,8 +341,10 @@ class RecurrentStep:
     def vjp_params_stacked_layers(self, P, parts, lin, bk, ctx, G, scratch):
         """G[name] = the sum over every step of ``lin`` of (dPhi_t/dtheta)^T lam_{t+1}, written:
         ``parts`` lists (L, l0, l_step, count) runs, in step order, that hold lam_{t+1} of the
-        steps in turn (L[l0 + p l_step] for the p-th step of the run); one backend call per run
-        for the projection cotangents, then one GEMM per weight."""
+        steps in turn (L[l0 + p l_step] for the p-th step of the run), or callables returning
+        one, called when reached (a run that waits for a message: the runs before it are
+        computed first); one backend call per run for the projection cotangents, then one GEMM
+        per weight."""
         S, nl, B = lin.D.shape[:3]
         GH = self.gates * self.hidden
         DGI = scratch("recurrent dgi", (S, nl, B, GH), lin.D.dtype)
@@ -340,7 +352,8 @@ class RecurrentStep:
         dt, mode = self._rule(1.0)
         Wih, Whh = self._back_weights(P, ctx)
         row = 0
-        for L, l0, l_step, count in parts:
+        for part in parts:
+            L, l0, l_step, count = part() if callable(part) else part
             bk.recurrent_gate_cotangents(self._code, L, l0, l_step, lin.U,
                                          lin.d0 + lin.u_off + row, lin.D, row, count, Wih, Whh,
                                          dt, mode, DGI, DGH, row)

@@ -83,13 +83,14 @@ def test_adjoint_chain_over_the_sequence_is_the_backward_sweep(cell, mode, dt, n
 
 @pytest.mark.parametrize("cell, mode, dt", [(0, 0, 1.0), (0, 1, 2.0), (0, 0, 4.0), (1, 0, 1.0),
                                             (1, 0, 2.0)])
-@pytest.mark.parametrize("B, nl", [(1, 2), (3, 3)])
+@pytest.mark.parametrize("B, nl, H", [(1, 2, 4), (3, 3, 4), (8, 2, 40)])
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
-def test_numba_adjoint_kernels_equal_the_reference(cell, mode, dt, B, nl, dtype, rng):
+def test_numba_adjoint_kernels_equal_the_reference(cell, mode, dt, B, nl, H, dtype, rng):
     """recurrent_chains_adjoint / recurrent_points_adjoint (every point mode, with and without
     G, layer_step -2 as on a coarse adjoint level, and +2) and recurrent_gate_cotangents
-    (stride 0: one slot for every step) against the NumPy reference."""
-    L, H = 12, 4
+    (stride 0: one slot for every step) against the NumPy reference; (B, H) = (8, 40): GEMMs
+    above numba_cpu.SMALL_GEMM (BLAS)."""
+    L = 12
     c = _case(cell, L, B, nl, H, dtype, rng)
     U = rng.standard_normal((L + 2, B, nl, H)).astype(dtype)  # state of step t: U[t + 1]
     D = np.zeros((L, nl, B, c["C"] * H), dtype)
@@ -163,6 +164,34 @@ def test_adjoint_kernels_check_their_arguments(rng):
         with pytest.raises(ValueError, match=r"DGH must be a C-contiguous"):
             mod.recurrent_gate_cotangents(0, Lm, 0, 0, U, 0, D, 0, 1, *W, np.zeros((4, 1, 2, 9)),
                                           np.zeros((3, 1, 2, 9)), 0)
+        # outputs that alias each other or an input; repeated out slots; no array
+        gi = np.zeros((4, 1, 2, 9))
+        with pytest.raises(ValueError, match="DGI shares memory with DGH"):
+            mod.recurrent_gate_cotangents(0, Lm, 0, 0, U, 0, D, 0, 1, *W, gi, gi, 0)
+        with pytest.raises(ValueError, match="L shares memory with U"):
+            mod.recurrent_chains_adjoint(0, U[:3], None, np.array([[1, 1]]), 2, -1, U, 0, D, 0,
+                                         *W)
+        with pytest.raises(ValueError, match="L shares memory with G"):
+            mod.recurrent_chains_adjoint(0, Lm, Lm, np.array([[1, 1]]), 2, -1, U, 0, D, 0, *W)
+        with pytest.raises(ValueError, match="R shares memory with D"):
+            mod.recurrent_points_adjoint(0, Lm, None, D.reshape(-1)[:6].reshape(1, 2, 1, 3),
+                                         np.array([1]), np.array([0]), 2, -1, U, 0, D, 0, *W, 0)
+        with pytest.raises(ValueError, match=r"bad out_slots: \[0, 0\] repeats slot 0 of R"):
+            mod.recurrent_points_adjoint(0, Lm, None, np.zeros((2, 2, 1, 3)), np.array([1, 2]),
+                                         np.array([0, 0]), 2, -1, U, 0, D, 0, *W, 0)
+        with pytest.raises(TypeError, match="L must be a NumPy array, got list"):
+            mod.recurrent_chains_adjoint(0, Lm.tolist(), None, np.array([[1, 1]]), 2, -1, U, 0,
+                                         D, 0, *W)
+        with pytest.raises(ValueError, match="unknown mode True"):
+            mod.recurrent_points_adjoint(0, Lm, None, np.zeros((1, 2, 1, 3)), np.array([1]),
+                                         np.array([0]), 2, -1, U, 0, D, 0, *W, True)
+        with pytest.raises(ValueError, match="Y shares memory with U"):
+            mod.recurrent_caches(0, c["gi0"], U, 0, 2, 0, c["WihT"], c["WhhT"], c["bih"],
+                                 c["bhh"], np.zeros((2, 1, 2, 12)), U[2:4], 1.0, 0)
+        with pytest.raises(ValueError, match="count must be >= 0, got -1"):
+            mod.recurrent_caches(0, c["gi0"], U, 0, -1, 0, c["WihT"], c["WhhT"], c["bih"],
+                                 c["bhh"], np.zeros((0, 1, 2, 12)), np.zeros((0, 2, 1, 3)),
+                                 1.0, 0)
 
 
 def test_numba_adjoint_chains_flush_subnormal_cotangents(rng):
@@ -204,3 +233,46 @@ def test_stacked_adjoint_equals_the_list_adjoint_with_a_stacked_forward(make, rn
         np.testing.assert_allclose(g[k], g0[k], rtol=1e-11, atol=1e-13, err_msg=k)
     np.testing.assert_allclose(lp.stats["adjoint"]["residuals"], ref.stats["adjoint"]["residuals"],
                                rtol=1e-11)
+
+
+def test_hand_built_adjoint_propagator_with_list_caches(rng):
+    """An AdjointPropagator built by hand with the single-state protocol's states and caches
+    (lists, as an embedding code has them) runs the stacked engine on a linearisation it
+    builds itself; a converged MGRIT solve equals the serial adjoint (float64)."""
+    from mgnn import MGRITOptions, MGRITSolver
+    from mgnn.backend import get_backend
+    from mgnn.blocks.composed import StepContext
+    from mgnn.network import AdjointPropagator, ForwardPropagator
+    bk = get_backend("numba")
+    model = mgnn.gru_classifier(3, 4, 5, 13, n_layers=2, seed=1)
+    x = rng.standard_normal((5, 13, 3))
+    ctx = StepContext(buffers=model.group_buffers())
+    ctx.begin(x)
+    fp = ForwardPropagator(model, bk, ctx)
+    u = [np.zeros(model.step.state_shape(5))]
+    for n in range(13):
+        u.append(fp.step(u[-1], n, n + 1, 0))
+    D = [model.step.linearize(model.step_params(), n, u[n], bk, ctx) for n in range(13)]
+    lam = rng.standard_normal(u[0].shape)
+    want = lam
+    ap = AdjointPropagator(model, u, D, bk, ctx)
+    for m in range(13):  # the serial adjoint, single states
+        want = ap.step(want, m, m + 1, 0)
+    solver = MGRITSolver(AdjointPropagator(model, u, D, bk, ctx), 13,
+                         MGRITOptions(cf=2, max_levels=3, tol=1e-13, max_iter=30))
+    res = solver.solve(lam)
+    assert solver.engine.stacked and res.converged
+    np.testing.assert_allclose(res.states[-1], want, rtol=1e-10, atol=1e-13)
+    with pytest.raises(ValueError, match="consecutive steps; got states of steps \\[0, 2\\]"):
+        MGRITSolver(AdjointPropagator(model, {0: u[0], 2: u[2]}, {}, bk, ctx), 13,
+                    MGRITOptions(cf=2, max_levels=2, max_iter=1)).solve(lam)
+
+
+def test_weight_gradients_of_no_steps_are_zero():
+    """A rank that owns no steps contributes zeros to the sum over the steps."""
+    model = mgnn.gru_classifier(3, 4, 5, 13, n_layers=2, seed=1)
+    G = {k: np.full(v, np.nan) for k, v in model.step.param_shapes().items()}
+    z = np.zeros((0, 2, 5, 12))
+    model.step._weight_grads(G, z, z, np.zeros((5, 0, 3)), np.zeros((0, 5, 2, 4)),
+                             np.zeros((0, 5, 2, 4)))
+    assert all(not v.any() for v in G.values()) and len(G) == 8

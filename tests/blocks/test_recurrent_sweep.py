@@ -36,9 +36,10 @@ def _run(mod, cell, c, L, store, dt, mode):
 @pytest.mark.parametrize("cell, mode, dt", [(0, 0, 1.0), (0, 1, 1.0), (0, 0, 0.5), (0, 1, 3.0),
                                             (1, 0, 1.0), (1, 0, 0.5)])
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
-@pytest.mark.parametrize("nl", [1, 3])
-def test_numba_sweeps_equal_the_gate_kernel_reference(cell, mode, dt, dtype, nl, rng):
-    L, B, H = 9, 3, 5
+@pytest.mark.parametrize("nl, B, H", [(1, 3, 5), (3, 3, 5), (2, 8, 40)])
+def test_numba_sweeps_equal_the_gate_kernel_reference(cell, mode, dt, dtype, nl, B, H, rng):
+    """(B, H) = (8, 40): the GEMMs above numba_cpu.SMALL_GEMM multiply-adds (BLAS)."""
+    L = 9
     c = _case(cell, L, B, nl, H, dtype, rng)
     tol = 1e-13 if dtype == np.float64 else 2e-5
     U_ref, back_ref = _run(REF, cell, c, L, True, dt, mode)
@@ -132,12 +133,13 @@ def test_stacked_mgrit_forward_equals_the_list_engine(make, backend, rng, monkey
 
 @pytest.mark.parametrize("cell, mode, dt", [(0, 0, 1.0), (0, 1, 2.0), (0, 0, 4.0), (1, 0, 1.0),
                                             (1, 0, 2.0)])
-@pytest.mark.parametrize("B, nl", [(1, 2), (3, 3)])
+@pytest.mark.parametrize("B, nl, H", [(1, 2, 4), (3, 3, 4), (8, 2, 40)])
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
-def test_numba_stacked_kernels_equal_the_reference(cell, mode, dt, B, nl, dtype, rng):
+def test_numba_stacked_kernels_equal_the_reference(cell, mode, dt, B, nl, H, dtype, rng):
     """recurrent_chains_forward / recurrent_points_forward (every point mode, with and without
-    G, layer_step > 1, backwards steps) against the NumPy reference."""
-    L, H = 12, 4
+    G, layer_step > 1, backwards steps) against the NumPy reference; (B, H) = (8, 40): GEMMs
+    above numba_cpu.SMALL_GEMM (BLAS)."""
+    L = 12
     c = _case(cell, L, B, nl, H, dtype, rng)
     w = (c["WihT"], c["WhhT"], c["bih"], c["bhh"], dt, mode)
     tol = 1e-12 if dtype == np.float64 else 2e-5
@@ -194,6 +196,18 @@ def test_stacked_recurrent_kernels_check_their_indices(rng):
         with pytest.raises(ValueError, match="unknown mode 3"):
             mod.recurrent_points_forward(0, c["gi0"], U, None, np.zeros((2, 2, 1, 3)),
                                          np.array([1]), np.array([0]), -1, 1, *args, 3)
+        with pytest.raises(ValueError, match=r"bad out_slots: \[1, 1\] repeats slot 1 of R"):
+            mod.recurrent_points_forward(0, c["gi0"], U, None, np.zeros((2, 2, 1, 3)),
+                                         np.array([1, 2]), np.array([1, 1]), -1, 1, *args, 0)
+        with pytest.raises(ValueError, match="U shares memory with G"):
+            mod.recurrent_chains_forward(0, c["gi0"], U, U, np.array([[1, 2]]), -1, 1, *args)
+        with pytest.raises(TypeError, match="U must be a NumPy array, got list"):
+            mod.recurrent_chains_forward(0, c["gi0"], U.tolist(), None, np.array([[1, 2]]), -1,
+                                         1, *args)
+        for bad in (True, 2):
+            with pytest.raises(ValueError, match=f"mode must be 0 .* got {bad}"):
+                mod.recurrent_chains_forward(0, c["gi0"], U, None, np.array([[1, 2]]), -1, 1,
+                                             *args[:5], bad)
 
 
 def test_numba_backward_sweep_flushes_subnormal_cotangents(rng):
