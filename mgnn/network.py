@@ -426,7 +426,10 @@ class AdjointPropagator:
     Reversed index m stands for forward index N - m. ``step(lam, start, stop, level)`` is the state
     vjp of the (coarse) forward step out of n = N - stop with step size (stop - start) h, at the
     stored forward state u_n, with sigma'(z_n) ``derivs[n]`` (the same on every level: z_n does not
-    depend on the step size).
+    depend on the step size). For composed and recurrent kinds ``derivs[n]`` is step n's
+    linearisation cache; recurrent kinds on a host backend run the stacked engine on a
+    :class:`mgnn.blocks.recurrent.StackedLinearization` (built from ``states`` when ``derivs``
+    is a list or dict of single-state caches).
 
     It is a *pull* propagator: the step into reversed index m+s needs layer N-m-s and the state
     u_{N-m-s}, which live on the rank owning forward index N-m-s = the rank owning reversed point
