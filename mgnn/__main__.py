@@ -364,6 +364,29 @@ def _check_resume(ckpt, meta):
                                   f"saved value: pass {flag} {saved[k]}, or start a new run)")
 
 
+def _compile_on_rank_zero_first(comm, lp, make_serial, x, y, log):
+    """Under MPI with the Numba backend, rank 0 first compiles the kernels into Numba's cache
+    (one small batch through ``make_serial()``, a single-process replica of the run) while the
+    other ranks wait without spinning; then every rank's compile step mostly loads them. Numba's
+    cache is not safe against several processes compiling the same kernels into it at once (a
+    rank can die with a spurious TypingError: numba issues 4807, 10128). A failure here is only
+    reported: the collective compile step that follows raises it on every rank."""
+    from .comm import polled_barrier
+    if comm is None or comm.Get_size() == 1 or getattr(lp.bk, "name", None) != "numba":
+        return
+    if comm.Get_rank() == 0:
+        t0 = time.perf_counter()
+        try:
+            make_serial().loss_and_grad(x, y)
+        except Exception as exc:  # noqa: BLE001 -- reported by the collective step after this
+            log(f"kernel warm-up on rank 0 failed ({type(exc).__name__}: {exc}); every rank "
+                "compiles")
+        else:
+            log(f"kernels compiled (or loaded) on rank 0 in {time.perf_counter() - t0:.1f} s; "
+                "the other ranks load them")
+    polled_barrier(comm)
+
+
 def _agreed(comm, fn, *a):
     """``fn(*a)``; an input error (on any rank) becomes the same :class:`_CLIError` on every rank:
     the first failing rank's message (prefixed with its rank when it is not the first rank and
@@ -546,6 +569,11 @@ def cmd_train(args, comm=None):
             f"skip_downcycle {args.skip_downcycle}, warm start {args.warm_start}")
     tj = time.perf_counter()
     kept = model.buffers.flat.copy(), model.train_steps  # the compile step trains nothing
+    _compile_on_rank_zero_first(comm, lp, lambda: LayerParallel(
+        model, fwd=fwd, bwd=bwd, backend=args.backend, threads=None, coarsest=args.coarsest,
+        spatial_levels=_spatial_levels(args), interp=args.interp, restrict=args.restrict),
+        xtr[:2], ds.y_train[:2], log)
+    model.buffers.flat[...], model.train_steps = kept
     lp.loss_and_grad(xtr[:2], ds.y_train[:2])  # compile (or load cached) kernels before timing
     model.buffers.flat[...], model.train_steps = kept
     opt.warm_up()  # the optimizer's update kernel too (Numba CUDA on the GPU)

@@ -184,6 +184,14 @@ def _abort(comm, exc, what, grace_s=10.0):
     os._exit(status)
 
 
+def polled_barrier(comm):
+    """A barrier that waits without spinning (``Ibarrier`` polled, yielding the CPU): ranks
+    waiting for one that computes leave it the cores. No-op for None or one rank."""
+    if comm is not None and comm.Get_size() > 1:
+        from .halo import wait_request
+        wait_request(comm.Ibarrier())
+
+
 def agree_on_errors(comm, error, extra=None):
     """Collective: every rank passes the exception it hit in validation (or None) and any
     picklable ``extra``; if any rank has an exception, every rank raises the same

@@ -96,3 +96,17 @@ def test_resume_with_warm_start_on_two_replicas_equals_the_uninterrupted_run(tmp
     assert a["warm"]["batch"] == 64
     for k in a["params"]:
         np.testing.assert_array_equal(b["params"][k], a["params"][k], err_msg=k)
+
+
+def test_rank_zero_compiles_first_then_every_rank_trains(tmp_path):
+    """Under MPI the kernels are compiled (or loaded) into Numba's cache by rank 0 alone before
+    the collective compile step (concurrent compiles into one cache can kill a rank), and the
+    run then trains on both ranks."""
+    proc = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-m", "mgnn", "train", *SMALL,
+                           "--epochs", "1", "--levels", "2", "--cf", "2"],
+                          cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert out.count("kernels compiled (or loaded) on rank 0 in ") == 1, out
+    assert out.index("on rank 0 in ") < out.index("kernels ready in ") < out.index("epoch   1/1")
+    assert "final test accuracy" in out
