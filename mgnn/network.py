@@ -483,6 +483,7 @@ class AdjointPropagator:
     def reset(self, states, derivs):
         """The forward states and linearisation caches of a new training step."""
         self.U, self.D = states, derivs
+        self._built = None  # a linearisation built from the old states (_linearization)
 
     def advance(self, L, G, chains, origin, stride, level):
         """Stacked relaxation: slot i is reversed index origin + i stride; the step into it is

@@ -19,6 +19,7 @@ from .backend import get_backend
 from .bench import median_time
 from .mgrit import MGRITOptions, cycle_work, level_sizes, solve_critical_path
 from .blocks.composed import StepContext
+from .comm import polled_barrier
 from .comm.halo import ping_pong
 from .network import (AdjointPropagator, ForwardPropagator, LayerParallel, conv_resnet,
                       dense_resnet, gru_classifier)
@@ -63,13 +64,6 @@ FIELDS = {
 def _max_op():
     from mpi4py import MPI
     return MPI.MAX
-
-
-def _sleeping_barrier(comm):
-    """A barrier that sleeps while waiting (MPICH's Barrier spins and steals idle cores)."""
-    req = comm.Ibarrier()
-    while not req.Test():
-        time.sleep(0.002)
 
 
 def _time_step(obj, x, y, comm, repeats):
@@ -203,7 +197,7 @@ def study_point(comm, cfg, repeats):
     # the serial baseline of this very configuration: one process, the other ranks asleep
     serial_t = _time_step(LayerParallel(model), x, y, None, repeats) if rank == 0 else 0.0
     if comm is not None:
-        _sleeping_barrier(comm)
+        polled_barrier(comm)
     spatial = ",".join(map(str, cfg.get("spatial") or ())) or "-"
     rows = [{"method": "serial", "micro_batches": 0, "key": "serial", "ranks": P,
              "time_s": serial_t, "exposed_halo_pct": 0.0, "model": cfg.get("model", "dense"),
@@ -263,7 +257,7 @@ def run_study(comm, ranks, studies, base, repeats, log=print):
                         f"B={cfg['batch']:<4} L={cfg['levels']} cf={cfg['cf']}: "
                         f"{time.perf_counter() - t0:5.1f} s")
                 sub.Free()
-            _sleeping_barrier(comm)
+            polled_barrier(comm)
     return rows if world_rank == 0 else None
 
 

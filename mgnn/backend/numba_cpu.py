@@ -1860,13 +1860,28 @@ def _mm(A, B, out):
     if n * k * m > SMALL_GEMM:
         np.dot(A, B, out)
         return
+    # four outputs at a time in registers (four independent add chains; accumulating in out
+    # itself was bound by store-to-load latency): each sum still runs over i in order from 0
     for b in range(n):
-        for j in range(m):
+        j = 0
+        while j + 4 <= m:
             out[b, j] = 0
-        for i in range(k):
-            a = A[b, i]
-            for j in range(m):
-                out[b, j] += a * B[i, j]
+            s0 = s1 = s2 = s3 = out[b, j]  # zeros of out's dtype
+            for i in range(k):
+                a = A[b, i]
+                s0 += a * B[i, j]
+                s1 += a * B[i, j + 1]
+                s2 += a * B[i, j + 2]
+                s3 += a * B[i, j + 3]
+            out[b, j], out[b, j + 1], out[b, j + 2], out[b, j + 3] = s0, s1, s2, s3
+            j += 4
+        while j < m:
+            out[b, j] = 0
+            s0 = out[b, j]
+            for i in range(k):
+                s0 += A[b, i] * B[i, j]
+            out[b, j] = s0
+            j += 1
 
 
 @njit(cache=True)

@@ -979,6 +979,7 @@ def recurrent_sweep_check(cell, gi0, U, WihT, WhhT, bih, bhh, D, dt=1.0, mode=0)
         want["D"] = (D, (L1 - 1, nl, B, C * H))
     _recurrent_arrays(cell, U.dtype, want)
     _step_rule(dt, mode)
+    _distinct({"U": U, "D": D}, {"gi0": gi0, "WhhT": WhhT})
     return L1 - 1, B, nl, H, G
 
 
@@ -994,6 +995,7 @@ def recurrent_sweep_back_check(cell, lam, U, D, Wih, Whh, dt, mode, DGI, DGH):
         "Whh": (Whh, (nl, GH, H)), "DGI": (DGI, (L1 - 1, nl, B, GH)),
         "DGH": (DGH, (L1 - 1, nl, B, GH))})
     _step_rule(dt, mode)
+    _distinct({"DGI": DGI, "DGH": DGH}, {"lam": lam, "U": U, "D": D})
 
 
 def recurrent_sweep_forward(cell, gi0, U, WihT, WhhT, bih, bhh, D, dt, mode):

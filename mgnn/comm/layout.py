@@ -184,12 +184,14 @@ def _abort(comm, exc, what, grace_s=10.0):
     os._exit(status)
 
 
-def polled_barrier(comm):
-    """A barrier that waits without spinning (``Ibarrier`` polled, yielding the CPU): ranks
-    waiting for one that computes leave it the cores. No-op for None or one rank."""
+def polled_barrier(comm, sleep=0.002):
+    """A barrier that sleeps while it waits (``Ibarrier`` tested every ``sleep`` seconds; MPICH's
+    ``Barrier`` spins and takes the cores that a computing rank needs); signals (Ctrl-C) are
+    handled between tests. No-op for None or one rank."""
     if comm is not None and comm.Get_size() > 1:
-        from .halo import wait_request
-        wait_request(comm.Ibarrier())
+        req = comm.Ibarrier()
+        while not req.Test():
+            time.sleep(sleep)
 
 
 def agree_on_errors(comm, error, extra=None):

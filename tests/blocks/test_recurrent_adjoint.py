@@ -263,6 +263,19 @@ def test_hand_built_adjoint_propagator_with_list_caches(rng):
     res = solver.solve(lam)
     assert solver.engine.stacked and res.converged
     np.testing.assert_allclose(res.states[-1], want, rtol=1e-10, atol=1e-13)
+    # new states in the same list (a new training step): reset() drops the old linearisation
+    ctx.begin(rng.standard_normal((5, 13, 3)))
+    for n in range(13):
+        u[n + 1] = fp.step(u[n], n, n + 1, 0)
+    D[:] = [model.step.linearize(model.step_params(), n, u[n], bk, ctx) for n in range(13)]
+    ref = AdjointPropagator(model, list(u), list(D), bk, ctx)
+    want2 = lam
+    for m in range(13):
+        want2 = ref.step(want2, m, m + 1, 0)
+    solver.prop.reset(u, D)
+    res2 = solver.solve(lam)
+    np.testing.assert_allclose(res2.states[-1], want2, rtol=1e-10, atol=1e-13)
+    assert not np.allclose(want2, want)
     with pytest.raises(ValueError, match="consecutive steps; got states of steps \\[0, 2\\]"):
         MGRITSolver(AdjointPropagator(model, {0: u[0], 2: u[2]}, {}, bk, ctx), 13,
                     MGRITOptions(cf=2, max_levels=2, max_iter=1)).solve(lam)

@@ -201,6 +201,11 @@ def test_stacked_recurrent_kernels_check_their_indices(rng):
                                          np.array([1, 2]), np.array([1, 1]), -1, 1, *args, 0)
         with pytest.raises(ValueError, match="U shares memory with G"):
             mod.recurrent_chains_forward(0, c["gi0"], U, U, np.array([[1, 2]]), -1, 1, *args)
+        with pytest.raises(ValueError, match="DGI shares memory with DGH"):
+            D = np.zeros((4, 1, 2, 12))
+            W = np.zeros((1, 9, 3))
+            gi = np.zeros((4, 1, 2, 9))
+            mod.recurrent_sweep_backward(0, np.zeros((2, 1, 3)), U, D, W, W, 1.0, 0, gi, gi)
         with pytest.raises(TypeError, match="U must be a NumPy array, got list"):
             mod.recurrent_chains_forward(0, c["gi0"], U.tolist(), None, np.array([[1, 2]]), -1,
                                          1, *args)

@@ -1,6 +1,7 @@
 """``python -m mgnn train`` under a real ``mpiexec -n 2``: input errors found before training are
-the serial run's one line on every rank (exit code 2, no traceback, no MPI_Abort), and a resumed
-``--warm-start`` run continues exactly."""
+the serial run's one line on every rank (exit code 2, no traceback, no MPI_Abort), a resumed
+``--warm-start`` run continues exactly, and rank 0 compiles the kernels before the other ranks
+(tests/test_compile_first.py checks the order of calls)."""
 import os
 import subprocess
 import sys
