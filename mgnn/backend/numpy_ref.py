@@ -935,6 +935,21 @@ def _distinct(written, read):
                                  "so it must be a different array")
 
 
+def _rec_stack_args(cell, S, G, R, want, dt, mode, point_mode, layer0, layer_step):
+    """The checks every stacked recurrent call on the stack S (m, B, nl, H) shares: the arrays
+    of ``want`` ({name: (array, shape)}), G like S or None, R (r, B, nl, H) or None, the update
+    rule and the point mode; returns (layer0, layer_step) as ints."""
+    want = dict(want)
+    if G is not None:
+        want["G"] = (G, S.shape)
+    if R is not None:
+        want["R"] = (R, (getattr(R, "shape", (0,))[0],) + S.shape[1:])
+    _recurrent_arrays(cell, S.dtype, want)
+    _step_rule(dt, mode)
+    _point_mode(point_mode)
+    return _int("layer0", layer0), _int("layer_step", layer_step)
+
+
 def _rec_indices(idx, outs, m, R, what_m, index_check):
     """The int64 chains (n, 2) (``R`` None) or (slots (n,), out slots (n,)) of a stacked
     recurrent call on a stack of m slots; ValueError naming the first bad entry. Returns
@@ -1053,14 +1068,8 @@ def recurrent_stacked_check(cell, gi0, U, G, R, idx, layer0, layer_step, WihT, W
     gi_shape = tuple(getattr(gi0, "shape", ()))
     L = gi_shape[1] if len(gi_shape) == 3 else -1  # any sequence length; -1 fails the check
     want = {"gi0": (gi0, (B, L, GH)), **_weights(cell, nl, H, WihT, WhhT, bih, bhh)}
-    if G is not None:
-        want["G"] = (G, U.shape)
-    if R is not None:
-        want["R"] = (R, (getattr(R, "shape", (0,))[0],) + U.shape[1:])
-    _recurrent_arrays(cell, U.dtype, want)
-    _step_rule(dt, mode)
-    _point_mode(point_mode)
-    layer0, layer_step = _int("layer0", layer0), _int("layer_step", layer_step)
+    layer0, layer_step = _rec_stack_args(cell, U, G, R, want, dt, mode, point_mode, layer0,
+                                         layer_step)
     _distinct({"U": U if R is None else None, "R": R}, {"U": U, "G": G, "gi0": gi0})
     idx, lo, hi = _rec_indices(idx, out_slots, m, R, "U", index_check)
     if lo <= hi:
@@ -1160,15 +1169,8 @@ def recurrent_adjoint_check(cell, L, G, R, idx, layer0, layer_step, U, u_off, D,
     the vjp of time step t = layer0 + i layer_step at the state U[t + u_off] with the caches
     D[t - d0] (see :func:`recurrent_chains_adjoint`)."""
     B, nl, H = _rec_lin_arrays(cell, L, U, D, Wih, Whh)
-    want = {}
-    if G is not None:
-        want["G"] = (G, L.shape)
-    if R is not None:
-        want["R"] = (R, (getattr(R, "shape", (0,))[0],) + L.shape[1:])
-    _recurrent_arrays(cell, L.dtype, want)
-    _step_rule(dt, mode)
-    _point_mode(point_mode)
-    layer0, layer_step = _int("layer0", layer0), _int("layer_step", layer_step)
+    layer0, layer_step = _rec_stack_args(cell, L, G, R, {}, dt, mode, point_mode, layer0,
+                                         layer_step)
     u_off, d0 = _int("u_off", u_off), _int("d0", d0)
     _distinct({"L": L if R is None else None, "R": R}, {"L": L, "G": G, "U": U, "D": D})
     idx, lo, hi = _rec_indices(idx, out_slots, L.shape[0], R, "L", index_check)
