@@ -279,10 +279,10 @@ def _main(case):
     if case == "cli":  # the CLI's LayerParallel, kept to report on it after training
         real = mgnn.LayerParallel
 
-        class Spy(real):
+        class Spy(real):  # the first one: rank 0 also builds a serial replica to compile
             def __init__(self, *a, **k):
                 super().__init__(*a, **k)
-                captured["lp"] = self
+                captured.setdefault("lp", self)
         mgnn.LayerParallel = Spy
         from mgnn.__main__ import main
         rc = main(["train", "--data", "digits", "--layers", "8", "--width", "8", "--epochs", "1",
