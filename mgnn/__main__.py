@@ -568,12 +568,11 @@ def cmd_train(args, comm=None):
             f"{args.fwd_iters} forward / {args.bwd_iters} adjoint {args.cycle}-cycles, "
             f"skip_downcycle {args.skip_downcycle}, warm start {args.warm_start}")
     tj = time.perf_counter()
-    kept = model.buffers.flat.copy(), model.train_steps  # the compile step trains nothing
+    kept = model.buffers.flat.copy(), model.train_steps  # the compile steps train nothing
     _compile_on_rank_zero_first(comm, lp, lambda: LayerParallel(
         model, fwd=fwd, bwd=bwd, backend=args.backend, threads=None, coarsest=args.coarsest,
         spatial_levels=_spatial_levels(args), interp=args.interp, restrict=args.restrict),
         xtr[:2], ds.y_train[:2], log)
-    model.buffers.flat[...], model.train_steps = kept
     lp.loss_and_grad(xtr[:2], ds.y_train[:2])  # compile (or load cached) kernels before timing
     model.buffers.flat[...], model.train_steps = kept
     opt.warm_up()  # the optimizer's update kernel too (Numba CUDA on the GPU)

@@ -447,6 +447,7 @@ class AdjointPropagator:
         self.W, self.b = steps.get("weight"), steps.get("bias")
         self.N, self.h, self.dtype = model.n_layers, model.t_final / model.n_layers, model.dtype
         self.U, self.D = states, derivs  # D[n]: linearisation cache of layer n (or None)
+        self._built = None  # a StackedLinearization built from list caches (_linearization)
         fused = self.kind.fused
         self.batched = fused and bool(getattr(bk, "batched_relaxation", False))
         self.fused_rhs = True
@@ -508,12 +509,11 @@ class AdjointPropagator:
 
     def _linearization(self):
         """The recurrent kinds' stacked linearisation: :meth:`reset`'s ``derivs`` if it is one,
-        else built once (per states and derivs given) at the forward states ``states`` (a list
+        else built once (until :meth:`reset`) at the forward states ``states`` (a list
         or a {step: state} dict of consecutive steps: the single-state protocol's)."""
         if hasattr(self.D, "u_off"):
             return self.D
-        built = getattr(self, "_built", None)
-        if built is None or built[0] is not self.U or built[1] is not self.D:
+        if self._built is None:
             U = self.U
             steps = (sorted(U) if isinstance(U, dict) else
                      [n for n in range(min(len(U), self.N)) if U[n] is not None])
@@ -521,10 +521,10 @@ class AdjointPropagator:
                 raise ValueError("the stacked recurrent adjoint linearises at the forward states "
                                  f"of consecutive steps; got states of steps {steps}")
             Uf = np.stack([U[n] for n in steps])
-            lin = self.kind.linearize_stacked(self.P, Uf, 0, len(steps), steps[0], self.bk,
-                                              self.ctx, lambda name, shape, dt: np.empty(shape, dt))
-            built = self._built = (self.U, self.D, lin)
-        return built[2]
+            self._built = self.kind.linearize_stacked(
+                self.P, Uf, 0, len(steps), steps[0], self.bk, self.ctx,
+                lambda name, shape, dt: np.empty(shape, dt))
+        return self._built
 
     def _stacked_derivs(self):
         """(sigma' array, first layer): :attr:`derivs` if set, else built once from ``derivs``

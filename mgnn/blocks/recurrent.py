@@ -281,8 +281,7 @@ class RecurrentStep:
         H = self.hidden
         if S == 0:  # no steps here (a rank that owns none): this part of the sum is zero
             for k in range(nl):
-                for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
-                    G[f"{name}_l{k}"][...] = 0
+                self._zero_layer_grads(G, k)
             return
         for k in range(nl):
             dgi, dgh = DGI[:, k].reshape(S * B, GH), DGH[:, k].reshape(S * B, GH)
@@ -292,6 +291,12 @@ class RecurrentStep:
             G[f"bias_ih_l{k}"][...] = dgi.sum(axis=0)
             G[f"weight_hh_l{k}"][...] = dgh.T @ states[:, :, k].reshape(S * B, H)
             G[f"bias_hh_l{k}"][...] = dgh.sum(axis=0)
+
+    @staticmethod
+    def _zero_layer_grads(G, k):
+        """G's four gradients of layer k = 0 (a part of the sum over no steps)."""
+        for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
+            G[f"{name}_l{k}"][...] = 0
 
     # ---------------------------------------------- the stacked adjoint (MGRIT adjoint solve)
     def can_stack_adjoint(self, bk):
@@ -386,8 +391,7 @@ class RecurrentStep:
                 acc[3].append(hk)
         for k, (dgis, inps, dghs, hs) in per_layer.items():
             if not steps:
-                for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
-                    G[f"{name}_l{k}"][...] = 0
+                self._zero_layer_grads(G, k)
                 continue
             dgi, inp = xp.concatenate(dgis), xp.concatenate(inps)
             dgh, hh = xp.concatenate(dghs), xp.concatenate(hs)
