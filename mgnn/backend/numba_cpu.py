@@ -1360,9 +1360,41 @@ def _tape_scratch_impl(U):
 
 
 @njit(cache=True)
-def _tape_row(S, row, hs, W, P, d0, act, adjoint, a, b, p):
-    """Run one tape row (mgnn.backend.tape); returns the squared norm of a residual point."""
+def _correct_into(u, uc, v):
+    """u = u + (uc - v), elementwise (the states flattened)."""
+    for e in range(u.size):
+        u[e] = u[e] + (uc[e] - v[e])
+
+
+@njit(cache=True)
+def _copy_into(dst, src):
+    for e in range(dst.size):
+        dst[e] = src[e]
+
+
+@njit(cache=True)
+def _tape_carried(S, row, part):
+    """The correction (part 1) or injection (part 2) a CHAIN row carries (mgnn.backend.tape)."""
+    U = S[row[_T.U]]
+    if part == 1 and row[_T.CORR_SLOT] >= 0:
+        _correct_into(U[row[_T.CORR_SLOT]].reshape(-1),
+                      S[row[_T.CORR_G]][row[_T.CORR_OUT]].reshape(-1),
+                      S[row[_T.CORR_R]][row[_T.CORR_OUT]].reshape(-1))
+    elif part == 2 and row[_T.INJ_SLOT] >= 0:
+        src = U[row[_T.INJ_SLOT]].reshape(-1)
+        _copy_into(S[row[_T.INJ_R]][row[_T.INJ_OUT]].reshape(-1), src)
+        if row[_T.INJ_G] >= 0:
+            _copy_into(S[row[_T.INJ_G]][row[_T.INJ_OUT]].reshape(-1), src)
+
+
+@njit(cache=True)
+def _tape_row(S, row, hs, W, P, d0, act, adjoint, a, b, p, steps_only=False):
+    """Run one tape row (mgnn.backend.tape); returns the squared norm of a residual point.
+    A CHAIN row runs what it carries first, unless ``steps_only`` (the threaded driver ran it)."""
     op, U = row[_T.OP], S[row[_T.U]]
+    if op == _T.CHAIN and not steps_only:
+        _tape_carried(S, row, 1)
+        _tape_carried(S, row, 2)
     if op == _T.CHAIN or op == _T.POINT:
         has_g = row[_T.G] >= 0
         G = S[row[_T.G]] if has_g else U
@@ -1399,16 +1431,12 @@ def _tape_row(S, row, hs, W, P, d0, act, adjoint, a, b, p):
                 dst[e] = src[e]
                 dst2[e] = src[e]
     elif op == _T.COPY:
-        src, dst = U.reshape(-1), R.reshape(-1)
-        for e in range(dst.size):
-            dst[e] = src[e]
+        _copy_into(R.reshape(-1), U.reshape(-1))
     elif op == _T.CORRECT:
         Uc = S[row[_T.G]]
         for q in range(row[_T.LEN]):
-            u, uc, v = (U[first + q * stride].reshape(-1), Uc[out + q].reshape(-1),
-                        R[out + q].reshape(-1))
-            for e in range(u.size):
-                u[e] = u[e] + (uc[e] - v[e])
+            _correct_into(U[first + q * stride].reshape(-1), Uc[out + q].reshape(-1),
+                          R[out + q].reshape(-1))
     return 0.0
 
 
@@ -1416,10 +1444,25 @@ def _tape_row(S, row, hs, W, P, d0, act, adjoint, a, b, p):
 def _tape(S, ops, hs, W, P, d0, act, adjoint, norms):
     a, b = _tape_scratch(S[0])
     p = np.empty(S[0].shape[1:], dtype=S[0].dtype)
-    for k in range(ops.shape[0]):
-        t = _tape_row(S, ops[k], hs, W, P, d0, act, adjoint, a, b, p)
-        if ops[k, _T.NORM] >= 0:
-            norms[ops[k, _T.NORM]] += t
+    k = 0
+    while k < ops.shape[0]:
+        if ops[k, _T.ZIP] != 1:
+            _tape_norm(S, ops[k], hs, W, P, d0, act, adjoint, a, b, p, norms)
+            k += 1
+            continue
+        run = ops[k, _T.RUN]
+        for q in range(run):  # a zipped call: its rows in pairs with the next call's
+            _tape_norm(S, ops[k + q], hs, W, P, d0, act, adjoint, a, b, p, norms)
+            _tape_norm(S, ops[k + run + q], hs, W, P, d0, act, adjoint, a, b, p, norms)
+        k += 2 * run
+
+
+@njit(cache=True)
+def _tape_norm(S, row, hs, W, P, d0, act, adjoint, a, b, p, norms):
+    """Run one row (serial driver), its residual norm added into ``norms``."""
+    t = _tape_row(S, row, hs, W, P, d0, act, adjoint, a, b, p)
+    if row[_T.NORM] >= 0:
+        norms[row[_T.NORM]] += t
 
 
 @njit(cache=True, parallel=True)
@@ -1431,10 +1474,14 @@ def _tape_par(S, ops, hs, W, P, d0, act, adjoint, norms):
         run = ops[k, _T.RUN]
         if run > 1 and (ops[k, _T.OP] == _T.CHAIN or ops[k, _T.OP] == _T.POINT):
             t = np.zeros(run)
+            if ops[k, _T.OP] == _T.CHAIN:  # what the rows carry: corrections, then injections
+                for part in range(1, 3):
+                    for q in prange(run):
+                        _tape_carried(S, ops[k + q], part)
             for q in prange(run):  # the rows of one engine call are independent
                 aa, bb = _tape_scratch(S[0])
                 pp = np.empty(S[0].shape[1:], dtype=S[0].dtype)
-                t[q] = _tape_row(S, ops[k + q], hs, W, P, d0, act, adjoint, aa, bb, pp)
+                t[q] = _tape_row(S, ops[k + q], hs, W, P, d0, act, adjoint, aa, bb, pp, True)
             for q in range(run):  # in row order, as the serial driver adds them
                 if ops[k + q, _T.NORM] >= 0:
                     norms[ops[k + q, _T.NORM]] += t[q]

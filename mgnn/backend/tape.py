@@ -32,12 +32,58 @@ COPY       ``R[...] = U``
 CORRECT    ``U[FIRST + q N] = U[FIRST + q N] + (G[OUT + q] - R[OUT + q])`` for q < LEN (U fine,
            G the coarse iterate, R the injected states)
 =========  ==================================================================================
+
+A CHAIN row may also carry one item of a CORRECT and one of an INJECT that came right before its
+call (by :func:`fuse_copies`), run before its steps, correction first: with CORR_SLOT >= 0
+``U[CORR_SLOT] = U[CORR_SLOT] + (CORR_G[CORR_OUT] - CORR_R[CORR_OUT])``, with INJ_SLOT >= 0
+``INJ_R[INJ_OUT] = U[INJ_SLOT]`` (and ``INJ_G[INJ_OUT]`` unless INJ_G = -1). A copy then runs
+while the chain's states are in cache, not as a pass of its own over the level. A driver that
+runs a call's rows at once runs every row's correction, then every injection, then the steps:
+the order of the rows before the fusion.
+
+ZIP = 1 at the first row of a call (by :func:`zip_calls`): the next call has as many rows, and
+a driver that runs rows one by one runs them in pairs, row q of this call then row q of the
+next (a FAS point right after the chain whose tail wrote its output, its inputs in cache); the
+order of the rows before, where only independent steps trade places.
 """
 CHAIN, POINT, INJECT, COPY, CORRECT = 0, 1, 2, 3, 4
 #: columns
 (OP, RUN, U, G, R, FIRST, N, OUT, LAYER0, LSTEP, H, MODE, NORM, LEN,
- SHARE_R, SHARE_OUT, SHARE_U, SHARE_SLOT, SHARE_H) = range(19)
-COLS = 19
+ SHARE_R, SHARE_OUT, SHARE_U, SHARE_SLOT, SHARE_H,
+ CORR_SLOT, CORR_G, CORR_R, CORR_OUT, INJ_SLOT, INJ_R, INJ_G, INJ_OUT, ZIP) = range(28)
+COLS = 28
+#: the columns that name a store (-1: none)
+STORE_COLS = (U, G, R, SHARE_R, SHARE_U, CORR_G, CORR_R, INJ_R, INJ_G)
+
+
+def blank(op, run=1):
+    """A row of ``op`` heading a call of ``run`` rows, every optional column off (-1)."""
+    r = [0] * COLS
+    r[OP], r[RUN] = op, run
+    for c in (G, R, OUT, NORM, SHARE_R, CORR_SLOT, INJ_SLOT, INJ_G):
+        r[c] = -1
+    return r
+
+
+def zip_calls(rows):
+    """``rows`` with ZIP set on each CHAIN call followed by a POINT call of as many rows where
+    running them in pairs (chain q, point q) computes the same: no point reads or writes what a
+    later chain (or what it carries) writes or reads, and the two calls add into different
+    norms (each norm's sum keeps its order)."""
+    rows = [list(r) for r in rows]
+    gs = groups(rows)
+    for (k, n), (k2, n2) in zip(gs, gs[1:]):
+        a, b = rows[k:k + n], rows[k2:k2 + n2]
+        if a[0][OP] != CHAIN or b[0][OP] != POINT or n != n2 or n < 2:
+            continue
+        if {r[NORM] for r in a if r[NORM] >= 0} & {r[NORM] for r in b if r[NORM] >= 0}:
+            continue
+        acc_a = [[_row_access(c, part) for part in ("correct", "inject", "steps")] for c in a]
+        acc_b = [_row_access(p, "steps") for p in b]
+        if not any(_conflict(*acc_b[q], *x) for q in range(n) for j in range(q + 1, n)
+                   for x in acc_a[j]):
+            a[0][ZIP] = 1
+    return rows
 
 
 def groups(rows):
@@ -188,3 +234,134 @@ def _copy_of(rows, end, store, slot, src, src_slot):
         if _written([r], store, slot):
             return False
     return False
+
+
+def fuse_copies(rows):
+    """``rows`` with the items of each CORRECT and INJECT call that comes right before a CHAIN
+    call on the same store carried by those chains (the CORR_* / INJ_* columns of the module
+    doc), where that computes the same: each item rides on the chain that ends at its slot (the
+    state the chain's tail or the next chain reads), at most one of each kind per chain, a call's
+    corrections before its injections, and no item moves past a chain step or another item it
+    depends on. The items left over stay a call of their own, before the chains."""
+    rows = [list(r) for r in rows]
+    again = True
+    while again:
+        again = False
+        gs = groups(rows)
+        for i, (k, n) in enumerate(gs):
+            if n != 1 or rows[k][OP] not in (INJECT, CORRECT):
+                continue
+            j = i + 1  # past the copies it commutes with (the items another copy left over)
+            while (j < len(gs) and gs[j][1] == 1 and rows[gs[j][0]][OP] in (INJECT, CORRECT)
+                   and not _copies_conflict(rows[k], rows[gs[j][0]])):
+                j += 1
+            if j == len(gs) or rows[gs[j][0]][OP] != CHAIN:
+                continue
+            k2, n2 = gs[j]
+            fused = _attach(rows[k], [list(r) for r in rows[k2:k2 + n2]])
+            if fused is not None:
+                rows[k:k2 + n2] = rows[k + 1:k2] + fused
+                again = True
+                break
+    return rows
+
+
+def _copies_conflict(x, y):
+    """Whether two copy rows (INJECT / CORRECT) do not commute."""
+    ax = [_item_access(x, q) for q in range(x[LEN])]
+    return any(_conflict(*a, *_item_access(y, q)) for a in ax for q in range(y[LEN]))
+
+
+def _attach(x, chains):
+    """The rows that replace the copy call ``x`` and the chains after it, with x's items on the
+    chains (:func:`fuse_copies`); None where no item can move."""
+    correct = x[OP] == CORRECT
+    slot_col = CORR_SLOT if correct else INJ_SLOT
+    if x[LEN] < 1 or x[N] < 1 or any(c[slot_col] >= 0 for c in chains) or (
+            not correct and any(c[CORR_SLOT] >= 0 for c in chains)):
+        return None  # one item of each kind per chain; a call's corrections before injections
+    ends = {}
+    for j, c in enumerate(chains):
+        if c[U] == x[U]:
+            ends.setdefault(c[FIRST] + c[N], j)
+    owner = [ends.get(x[FIRST] + q * x[N]) for q in range(x[LEN])]
+    if all(j is None for j in owner):
+        return None
+    items = [_item_access(x, q) for q in range(x[LEN])]
+    for q, (rd, wr) in enumerate(items):  # the items of one call are independent
+        if any(_conflict(rd, wr, *items[p]) for p in range(q)):
+            return None
+    before = [[_row_access(c, part) for part in ("correct", "inject", "steps")] for c in chains]
+    for q, j in enumerate(owner):
+        if j is not None and any(_conflict(*items[q], *acc) for i in range(j)
+                                 for acc in before[i]):
+            owner[q] = None  # it would move past a chain step or a copy it depends on
+    if all(j is None for j in owner):
+        return None
+    out = []
+    q = 0
+    while q < x[LEN]:  # the items left over: runs of consecutive items, each one call
+        if owner[q] is not None:
+            q += 1
+            continue
+        e = q
+        while e < x[LEN] and owner[e] is None:
+            e += 1
+        r = list(x)
+        r[RUN], r[FIRST], r[OUT], r[LEN] = 1, x[FIRST] + q * x[N], x[OUT] + q, e - q
+        out.append(r)
+        q = e
+    for q, j in enumerate(owner):
+        if j is None:
+            continue
+        c, slot = chains[j], x[FIRST] + q * x[N]
+        if correct:
+            c[CORR_SLOT], c[CORR_G], c[CORR_R], c[CORR_OUT] = slot, x[G], x[R], x[OUT] + q
+        else:
+            c[INJ_SLOT], c[INJ_R], c[INJ_G], c[INJ_OUT] = slot, x[R], x[G], x[OUT] + q
+    return out + chains
+
+
+def _item_access(x, q):
+    """(reads, writes): sets of (store, slot) of item q of the copy row ``x``."""
+    src = (x[U], x[FIRST] + q * x[N])
+    if x[OP] == CORRECT:
+        return {src, (x[G], x[OUT] + q), (x[R], x[OUT] + q)}, {src}
+    return {src}, {(x[R], x[OUT] + q)} | ({(x[G], x[OUT] + q)} if x[G] >= 0 else set())
+
+
+def _row_access(c, part):
+    """(reads, writes) of one part of the chain row ``c``: its carried correction or injection,
+    or its steps (shared first step, chain, tail and coarse right-hand side)."""
+    if part == "correct":
+        if c[CORR_SLOT] < 0:
+            return set(), set()
+        s = (c[U], c[CORR_SLOT])
+        return {s, (c[CORR_G], c[CORR_OUT]), (c[CORR_R], c[CORR_OUT])}, {s}
+    if part == "inject":
+        if c[INJ_SLOT] < 0:
+            return set(), set()
+        wr = {(c[INJ_R], c[INJ_OUT])} | ({(c[INJ_G], c[INJ_OUT])} if c[INJ_G] >= 0 else set())
+        return {(c[U], c[INJ_SLOT])}, wr
+    first, n = c[FIRST], c[N]
+    if c[OP] == POINT:
+        rd = {(c[U], first - 1), (c[U], first), (c[R], c[OUT])}
+        if c[G] >= 0:
+            rd.add((c[G], first))
+        return rd, {(c[R], c[OUT])}
+    rd = {(c[U], i) for i in range(first - 1, first + n + 1)}  # inputs, and the tail's u
+    if c[G] >= 0:
+        rd |= {(c[G], i) for i in range(first, first + n + 1)}
+    wr = {(c[U], i) for i in range(first, first + n)}
+    if c[R] >= 0:
+        rd.add((c[R], c[OUT]))
+        wr.add((c[R], c[OUT]))
+    if c[SHARE_R] >= 0:
+        rd |= {(c[SHARE_R], c[SHARE_OUT]), (c[SHARE_U], c[SHARE_SLOT])}
+        wr.add((c[SHARE_R], c[SHARE_OUT]))
+    return rd, wr
+
+
+def _conflict(rd1, wr1, rd2, wr2):
+    """Whether two accesses (reads, writes) do not commute."""
+    return bool(wr1 & (rd2 | wr2)) or bool(wr2 & rd1)

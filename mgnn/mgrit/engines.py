@@ -381,6 +381,13 @@ class _Norm(float):
         return out
 
 
+def _replayed(result, norms):
+    """A replayed cycle's return value: as captured (("const", v) or None) or its norm."""
+    if isinstance(result, tuple):
+        return result[1]
+    return None if result is None else _Norm(float(norms[result]), result)
+
+
 class Tape:
     """A captured cycle (:mod:`mgnn.backend.tape`): the rows, the stores they name (item 0: the
     level-0 store, rebound at every replay), the step sizes, how many norms, and where the
@@ -427,9 +434,7 @@ class _Recorder:
         return self.hs.setdefault(value, len(self.hs))
 
     def row(self, op, run=1, **cols):
-        r = [0] * T.COLS
-        r[T.OP], r[T.RUN] = op, run
-        r[T.G] = r[T.R] = r[T.OUT] = r[T.NORM] = r[T.SHARE_R] = -1
+        r = T.blank(op, run)
         for name, v in cols.items():
             r[getattr(T, name)] = int(v)
         self.rows.append(r)
@@ -457,7 +462,7 @@ class _Recorder:
         dtype = self.stores[0].dtype  # the capture's level-0 store
         hs = np.array([h for h, _ in sorted(self.hs.items(), key=lambda kv: kv[1])],
                       dtype=dtype)
-        rows = T.share_first_steps(T.fuse_tails(self.rows))
+        rows = T.zip_calls(T.fuse_copies(T.share_first_steps(T.fuse_tails(self.rows))))
         rows = np.array(rows, dtype=np.int64).reshape(-1, T.COLS)
         stores = [None] + self.stores[1:]  # item 0: the level-0 store of each replay
         return Tape(rows, stores, hs, self.n_norms,
@@ -505,8 +510,38 @@ class StackedEngine(ListEngine):
     def abandon_capture(self):
         self._rec = None
 
+    def merge_tapes(self, tapes, key):
+        """One :class:`Tape` that runs ``tapes`` (captured on this engine, level-0 store item 0 in
+        each) one after the other: their stores, step sizes and norms renumbered, then
+        :func:`mgnn.backend.tape.fuse_copies` across the seams (a cycle's last correction rides
+        on the next cycle's first chains). Its replay returns the parts' values as a list."""
+        stores, index, hs, rows, results, n_norms = [None], {}, [], [], [], 0
+        for t in tapes:
+            remap = [0]
+            for a in t.stores[1:]:
+                if id(a) not in index:
+                    index[id(a)] = len(stores)
+                    stores.append(a)
+                remap.append(index[id(a)])
+            for r in t.rows.tolist():
+                for c in T.STORE_COLS:
+                    if r[c] >= 0:
+                        r[c] = remap[r[c]]
+                r[T.H] += len(hs)
+                r[T.SHARE_H] += len(hs)
+                if r[T.NORM] >= 0:
+                    r[T.NORM] += n_norms
+                r[T.ZIP] = 0  # zipped again below, with what the seams' copies add
+                rows.append(r)
+            results.append(t.result + n_norms if isinstance(t.result, int) else t.result)
+            hs += t.hs.tolist()
+            n_norms += t.n_norms
+        rows = np.array(T.zip_calls(T.fuse_copies(rows)), dtype=np.int64).reshape(-1, T.COLS)
+        return Tape(rows, stores, np.array(hs, dtype=tapes[0].hs.dtype), n_norms, results, key)
+
     def replay(self, tape, U0):
-        """Run ``tape`` on the level-0 store ``U0``; the cycle's return value."""
+        """Run ``tape`` on the level-0 store ``U0``; the cycle's return value (a list of them:
+        a tape of :meth:`merge_tapes`)."""
         if tape.bound is None:
             tape.bound = self.prop.tape_stores([U0] + tape.stores[1:])
         stores = tape.bound
@@ -516,9 +551,9 @@ class StackedEngine(ListEngine):
         self.prop.run_tape(stores, tape.rows, tape.hs, norms)
         self.solver._step_seconds += time.perf_counter() - t0
         tape.replays += 1
-        if isinstance(tape.result, tuple):
-            return tape.result[1]
-        return None if tape.result is None else _Norm(float(norms[tape.result]), tape.result)
+        if isinstance(tape.result, list):
+            return [_replayed(r, norms) for r in tape.result]
+        return _replayed(tape.result, norms)
 
     def _uncaptured(self, what):
         if self._rec is not None:

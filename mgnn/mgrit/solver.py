@@ -228,7 +228,8 @@ class MGRITSolver:
         it afterwards in one backend call (:mod:`mgnn.backend.tape`; same arithmetic, results
         bit-identical): with a stacked propagator that replays tapes (``captures = True``,
         ``tape_layers``, ``tape_stores``, ``run_tape``), host states, one rank and no spatial
-        coarsening. A stacked propagator with ``graphs = True`` (``begin_graph``, ``end_graph``,
+        coarsening. With ``tol = 0`` (a fixed cycle count) the whole solve becomes one tape once
+        each of its cycles has replayed. A stacked propagator with ``graphs = True`` (``begin_graph``, ``end_graph``,
         ``graph_key``: a GPU backend) instead has its second run of each cycle captured as a
         CUDA graph and launched from then on (with ``reuse_states``, one rank, no spatial
         coarsening). Otherwise, or ``False``, every cycle runs through the engine.
@@ -260,6 +261,7 @@ class MGRITSolver:
             callable(getattr(propagator, m, None)) for m in ("advance", "points"))
         self.xp, self.reuse_states = xp, bool(reuse_states)
         self.capture, self._tapes, self._graphs = bool(capture), {}, {}
+        self._replayed = []  # the tapes the solve at hand replayed, in order
         self._engines, self._plans, self._states_key = {}, {}, None
         self.engine = None
         if coarsest not in ("auto", "redundant", "sequential"):
@@ -593,6 +595,7 @@ class MGRITSolver:
         key = key + (U.shape, U.dtype.str, self.prop.tape_key())
         tape = self._tapes.get(key, False)
         if tape:
+            self._replayed.append(tape)
             return eng.replay(tape, U)
         if tape is None:  # captured before and found not replayable
             return run()
@@ -693,10 +696,17 @@ class MGRITSolver:
             self._update(0, U, None, lambda j: True, "coarsest")
             result.iterations, result.converged = 1, True
         else:
+            # a fixed cycle count whose cycles all replayed once: from then on the whole solve
+            # is one tape (one kernel call; copies fused across the cycles' seams)
+            self._replayed, whole = [], None
+            if o.tol == 0 and self.capture and eng.stacked and eng.can_capture():
+                whole = ("solve", o.max_iter, o.skip_downcycle, U.shape, U.dtype.str,
+                         self.prop.tape_key())
+            outs = eng.replay(self._tapes[whole], U) if self._tapes.get(whole) else None
             for k in range(o.max_iter):
                 skip = o.skip_downcycle and k == 0
-                r2 = self._captured(("cycle", skip), U,
-                                    lambda: self._cycle(0, U, None, o.cycle, skip))
+                r2 = outs[k] if outs is not None else self._captured(
+                    ("cycle", skip), U, lambda: self._cycle(0, U, None, o.cycle, skip))
                 if not skip:
                     r = math.sqrt(self.halo.allreduce_sum(r2))
                     if not math.isfinite(r):
@@ -706,7 +716,10 @@ class MGRITSolver:
                 if not skip and result.residuals[-1] < o.tol:
                     result.converged = True
                     break
-            self._captured(("final",), U, lambda: self._f_relax(U, None, 0, "final"))
+            if outs is None:
+                self._captured(("final",), U, lambda: self._f_relax(U, None, 0, "final"))
+                if whole is not None and len(self._replayed) == o.max_iter + 1:
+                    self._tapes[whole] = eng.merge_tapes(self._replayed, whole)
             if not result.converged and o.tol > 0 and o.warn_not_converged and \
                     self.halo.reduce_rank == 0:  # once per solve, not once per replica
                 warnings.warn(f"MGRIT did not reach tol={o.tol:.3g} in max_iter={o.max_iter} "

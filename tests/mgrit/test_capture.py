@@ -56,8 +56,13 @@ def test_the_threaded_and_serial_replays_agree():
     fwd, adj, u0 = _propagators("dense", 40, "float64")
     for make in (fwd, adj):
         s = MGRITSolver(make(), 40, MGRITOptions(**OPTIONS[0]), ops=vector_ops("numba"))
-        U0 = s.solve(u0).store[0]
+        s.solve(u0)
+        U0 = s.solve(u0).store[0]  # the second solve merged the parts into one tape
         bk = get_backend("numba")
+        whole = [t for k, t in s._tapes.items() if k[0] == "solve"]
+        assert len(whole) == 1 and (whole[0].rows[:, T.CORR_SLOT] >= 0).any()
+        if make is adj:  # the adjoint's FAS points run in pairs with their chains
+            assert whole[0].rows[:, T.ZIP].any()
         for tape in s._tapes.values():
             prop = s.prop
             W, P, d0 = ((prop.W, prop.b, 0) if isinstance(prop, ForwardPropagator)
@@ -110,9 +115,7 @@ def test_share_first_steps_needs_an_exact_copy_and_the_same_layer():
 
 
 def _row(op, **cols):
-    r = [0] * T.COLS
-    r[T.OP], r[T.RUN], r[T.G], r[T.R], r[T.OUT], r[T.NORM] = op, 1, -1, -1, -1, -1
-    r[T.SHARE_R] = -1
+    r = T.blank(op)
     for k, v in cols.items():
         r[getattr(T, k)] = v
     return r
@@ -142,6 +145,79 @@ def test_fuse_tails_only_where_it_computes_the_same():
         for k, v in change.items():
             bad[1][getattr(T, k)] = v
         assert len(T.fuse_tails(_calls([list(r) for r in chains], bad))) == 4
+
+
+def test_a_fixed_cycle_count_becomes_one_tape_with_its_copies_on_the_chains():
+    fwd, _, u0 = _propagators("dense", 32, "float64")
+    s = MGRITSolver(fwd(), 32, MGRITOptions(**OPTIONS[0]), ops=vector_ops("numba"))
+    first = [s.solve(u0) for _ in range(3)]
+    whole = {k: t for k, t in s._tapes.items() if k[0] == "solve"}
+    assert len(whole) == 1
+    tape = next(iter(whole.values()))
+    assert tape.replays == 1 and isinstance(tape.result, list) and len(tape.result) == 3
+    rows = tape.rows
+    # every correction rides on a chain (the last one of each cycle across the seam); of the
+    # injections only the C-point 0 of each level and the skipped down-cycle's stay calls
+    assert not (rows[:, T.OP] == T.CORRECT).any()
+    assert sorted(rows[rows[:, T.OP] == T.INJECT, T.LEN]) == [1, 1, 3, 9]
+    assert (rows[:, T.CORR_SLOT] >= 0).sum() == 2 * 2 + 2 * 8  # level 1 to 2, level 0 to 1
+    assert first[1].residuals == first[2].residuals
+    s2 = MGRITSolver(fwd(), 32, MGRITOptions(**{**OPTIONS[0], "tol": 1e-9, "max_iter": 3,
+                                                "warn_not_converged": False}),
+                     ops=vector_ops("numba"))
+    for _ in range(3):
+        s2.solve(u0)
+    assert not any(k[0] == "solve" for k in s2._tapes)  # tol > 0: the cycle count may vary
+
+
+def _copy_case(correct_first=5, firsts=(2, 6)):
+    """A CORRECT of slots correct_first + 4 q (q < 2) before two chains of slots f..f+2 (f in
+    ``firsts``) whose tails read slot f + 3."""
+    corr = _row(T.CORRECT, U=0, G=2, R=1, FIRST=correct_first, N=4, OUT=2, LEN=2)
+    chains = [_row(T.CHAIN, U=0, FIRST=f, N=3, MODE=0, R=3, OUT=2 + q, NORM=q)
+              for q, f in enumerate(firsts)]
+    return _calls([corr], chains)
+
+
+def test_fuse_copies_moves_each_item_onto_the_chain_that_ends_at_its_slot():
+    rows = T.fuse_copies(_copy_case())
+    assert len(rows) == 2 and rows[0][T.RUN] == 2
+    assert [(r[T.CORR_SLOT], r[T.CORR_OUT]) for r in rows] == [(5, 2), (9, 3)]
+    # slots 1 and 5: no chain ends at slot 1, so that item stays a call of its own
+    rows = T.fuse_copies(_copy_case(correct_first=1))
+    assert len(rows) == 3 and rows[0][T.OP] == T.CORRECT and rows[0][T.LEN] == 1
+    assert rows[0][T.FIRST] == 1 and rows[1][T.CORR_SLOT] == 5
+    # the chains the other way round: slot 5's correction would move past the chain of slots
+    # 6..8, which reads slot 5 first, so it stays; slot 9's rides on that chain
+    rows = T.fuse_copies(_copy_case(firsts=(6, 2)))
+    assert len(rows) == 3 and (rows[0][T.FIRST], rows[0][T.LEN]) == (5, 1)
+    assert [r[T.CORR_SLOT] for r in rows[1:]] == [9, -1]
+    inject = _row(T.INJECT, U=0, R=4, G=5, FIRST=5, N=4, OUT=1, LEN=2)
+    rows = T.fuse_copies(_calls(_copy_case()[:1], [inject], _copy_case()[1:]))
+    assert [(r[T.CORR_SLOT], r[T.INJ_SLOT]) for r in rows] == [(5, 5), (9, 9)]
+    # an injection before a correction of the same slot would run after it on a chain: it stays
+    rows = T.fuse_copies(_calls([inject], *[[r] for r in _copy_case()[:1]],
+                                _copy_case()[1:]))
+    assert rows[0][T.OP] == T.INJECT and rows[0][T.LEN] == 2
+    assert all(r[T.INJ_SLOT] < 0 for r in rows[1:])
+
+
+def test_zip_calls_pairs_points_with_chains_only_where_that_computes_the_same():
+    chains = [_row(T.CHAIN, U=0, FIRST=2, N=3, MODE=0, R=3, OUT=2, NORM=0),
+              _row(T.CHAIN, U=0, FIRST=6, N=3, MODE=0, R=3, OUT=3, NORM=0)]
+
+    def points(first=2, norm=-1, mode=1):
+        return [_row(T.POINT, U=1, R=3, FIRST=first + q, OUT=2 + q, MODE=mode,
+                     NORM=norm) for q in range(2)]
+    rows = T.zip_calls(_calls([list(r) for r in chains], points()))
+    assert rows[0][T.ZIP] == 1 and sum(r[T.ZIP] for r in rows) == 1
+    # point 0 writing R[3], which chain 1's tail writes later: stays apart
+    clash = points()
+    clash[0][T.OUT] = 3
+    assert not any(r[T.ZIP] for r in T.zip_calls(_calls([list(r) for r in chains], clash)))
+    # the same norm: the order of its sum would change
+    same = _calls([list(r) for r in chains], points(norm=0, mode=0))
+    assert not any(r[T.ZIP] for r in T.zip_calls(same))
 
 
 def test_what_cannot_be_replayed_is_not_captured(rng):
