@@ -1377,9 +1377,9 @@ def _tape_carried(S, row, part):
     """The correction (part 1) or injection (part 2) a CHAIN row carries (mgnn.backend.tape)."""
     U = S[row[_T.U]]
     if part == 1 and row[_T.CORR_SLOT] >= 0:
-        _correct_into(U[row[_T.CORR_SLOT]].reshape(-1),
-                      S[row[_T.CORR_G]][row[_T.CORR_OUT]].reshape(-1),
-                      S[row[_T.CORR_R]][row[_T.CORR_OUT]].reshape(-1))
+        u = U[row[_T.CORR_SLOT]].reshape(-1)  # CORR_R = -1: v is u's own bits (read_sources)
+        v = S[row[_T.CORR_R]][row[_T.CORR_OUT]].reshape(-1) if row[_T.CORR_R] >= 0 else u
+        _correct_into(u, S[row[_T.CORR_G]][row[_T.CORR_OUT]].reshape(-1), v)
     elif part == 2 and row[_T.INJ_SLOT] >= 0:
         src = U[row[_T.INJ_SLOT]].reshape(-1)
         _copy_into(S[row[_T.INJ_R]][row[_T.INJ_OUT]].reshape(-1), src)
@@ -1474,7 +1474,12 @@ def _tape_par(S, ops, hs, W, P, d0, act, adjoint, norms):
         run = ops[k, _T.RUN]
         if run > 1 and (ops[k, _T.OP] == _T.CHAIN or ops[k, _T.OP] == _T.POINT):
             t = np.zeros(run)
-            if ops[k, _T.OP] == _T.CHAIN:  # what the rows carry: corrections, then injections
+            carried = False
+            if ops[k, _T.OP] == _T.CHAIN:
+                for q in range(run):
+                    if ops[k + q, _T.CORR_SLOT] >= 0 or ops[k + q, _T.INJ_SLOT] >= 0:
+                        carried = True
+            if carried:  # what the rows carry: corrections, then injections
                 for part in range(1, 3):
                     for q in prange(run):
                         _tape_carried(S, ops[k + q], part)

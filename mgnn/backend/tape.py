@@ -35,7 +35,9 @@ CORRECT    ``U[FIRST + q N] = U[FIRST + q N] + (G[OUT + q] - R[OUT + q])`` for q
 
 A CHAIN row may also carry one item of a CORRECT and one of an INJECT that came right before its
 call (by :func:`fuse_copies`), run before its steps, correction first: with CORR_SLOT >= 0
-``U[CORR_SLOT] = U[CORR_SLOT] + (CORR_G[CORR_OUT] - CORR_R[CORR_OUT])``, with INJ_SLOT >= 0
+``U[CORR_SLOT] = U[CORR_SLOT] + (CORR_G[CORR_OUT] - CORR_R[CORR_OUT])`` (CORR_R = -1: the
+injected state is read where it was injected from, ``U[CORR_SLOT]`` itself, by
+:func:`read_sources`), with INJ_SLOT >= 0
 ``INJ_R[INJ_OUT] = U[INJ_SLOT]`` (and ``INJ_G[INJ_OUT]`` unless INJ_G = -1). A copy then runs
 while the chain's states are in cache, not as a pass of its own over the level. A driver that
 runs a call's rows at once runs every row's correction, then every injection, then the steps:
@@ -78,10 +80,9 @@ def zip_calls(rows):
             continue
         if {r[NORM] for r in a if r[NORM] >= 0} & {r[NORM] for r in b if r[NORM] >= 0}:
             continue
-        acc_a = [[_row_access(c, part) for part in ("correct", "inject", "steps")] for c in a]
-        acc_b = [_row_access(p, "steps") for p in b]
-        if not any(_conflict(*acc_b[q], *x) for q in range(n) for j in range(q + 1, n)
-                   for x in acc_a[j]):
+        last_any, last_wr = _indexed([_chain_access(c) for c in a], max)
+        if not any(_conflicts_at(_row_access(p, "steps"), last_any, last_wr, q, max)
+                   for q, p in enumerate(b)):  # no point q against a chain j > q
             a[0][ZIP] = 1
     return rows
 
@@ -268,8 +269,51 @@ def fuse_copies(rows):
 
 def _copies_conflict(x, y):
     """Whether two copy rows (INJECT / CORRECT) do not commute."""
-    ax = [_item_access(x, q) for q in range(x[LEN])]
-    return any(_conflict(*a, *_item_access(y, q)) for a in ax for q in range(y[LEN]))
+    return _conflict(*_union(_item_access(x, q) for q in range(x[LEN])),
+                     *_union(_item_access(y, q) for q in range(y[LEN])))
+
+
+def _union(accesses):
+    rd, wr = set(), set()
+    for a, b in accesses:
+        rd |= a
+        wr |= b
+    return rd, wr
+
+
+def _chain_access(c):
+    """(reads, writes) of a chain row, what it carries included."""
+    return _union(_row_access(c, part) for part in ("correct", "inject", "steps"))
+
+
+def _indexed(accesses, pick):
+    """({(store, slot): the ``pick`` (min or max) index of the accesses that read or write it},
+    {...: that write it}): which of them an access conflicts with, looked up per slot."""
+    any_, wr_ = {}, {}
+    for i, (rd, wr) in enumerate(accesses):
+        for key in rd | wr:
+            any_[key] = pick(any_.get(key, i), i)
+        for key in wr:
+            wr_[key] = pick(wr_.get(key, i), i)
+    return any_, wr_
+
+
+def _conflicts_at(access, any_, wr_, i, pick):
+    """Whether ``access`` conflicts with an indexed access (:func:`_indexed`) before index i
+    (pick = min) or after it (pick = max)."""
+    rd, wr = access
+    hits = [any_[key] for key in wr if key in any_] + [wr_[key] for key in rd if key in wr_]
+    return bool(hits) and (pick(hits) < i if pick is min else pick(hits) > i)
+
+
+def _independent(accesses):
+    """Whether no access writes what another reads or writes."""
+    writer = {}
+    for q, (_, wr) in enumerate(accesses):
+        for key in wr:
+            if writer.setdefault(key, q) != q:
+                return False
+    return all(writer.get(key, q) == q for q, (rd, _) in enumerate(accesses) for key in rd)
 
 
 def _attach(x, chains):
@@ -288,13 +332,11 @@ def _attach(x, chains):
     if all(j is None for j in owner):
         return None
     items = [_item_access(x, q) for q in range(x[LEN])]
-    for q, (rd, wr) in enumerate(items):  # the items of one call are independent
-        if any(_conflict(rd, wr, *items[p]) for p in range(q)):
-            return None
-    before = [[_row_access(c, part) for part in ("correct", "inject", "steps")] for c in chains]
+    if not _independent(items):  # the items of one call are independent
+        return None
+    first_any, first_wr = _indexed([_chain_access(c) for c in chains], min)
     for q, j in enumerate(owner):
-        if j is not None and any(_conflict(*items[q], *acc) for i in range(j)
-                                 for acc in before[i]):
+        if j is not None and _conflicts_at(items[q], first_any, first_wr, j, min):
             owner[q] = None  # it would move past a chain step or a copy it depends on
     if all(j is None for j in owner):
         return None
@@ -337,7 +379,8 @@ def _row_access(c, part):
         if c[CORR_SLOT] < 0:
             return set(), set()
         s = (c[U], c[CORR_SLOT])
-        return {s, (c[CORR_G], c[CORR_OUT]), (c[CORR_R], c[CORR_OUT])}, {s}
+        rd = {s, (c[CORR_G], c[CORR_OUT])}
+        return rd | ({(c[CORR_R], c[CORR_OUT])} if c[CORR_R] >= 0 else set()), {s}
     if part == "inject":
         if c[INJ_SLOT] < 0:
             return set(), set()
@@ -365,3 +408,69 @@ def _row_access(c, part):
 def _conflict(rd1, wr1, rd2, wr2):
     """Whether two accesses (reads, writes) do not commute."""
     return bool(wr1 & (rd2 | wr2)) or bool(wr2 & rd1)
+
+
+def read_sources(rows):
+    """``rows`` reading each injected state where it was injected from, where that is the same
+    bits (the copy's source not written since): a carried correction ``u + (uc - v)`` with v the
+    copy of u reads u itself (CORR_R = -1), a shared step's coarse right-hand side reads the fine
+    C-point instead of its copy. A coarse store (not the level-0 store 0) that no row reads then
+    is not written either (its injections write only the coarse iterate): a copy that is never
+    read costs a pass over the level's states. Rows of COPY calls: unchanged."""
+    rows = [list(r) for r in rows]
+    if any(r[OP] == COPY for r in rows):
+        return rows
+    last_write, copies = {}, {}  # the latest writer of each (store, slot); the copies' sources
+
+    def source(key):
+        """The (store, slot) that ``key`` holds an exact copy of now, or None."""
+        src, j = copies.get(key, (None, -1))
+        return None if src is None or last_write.get(src, -1) > j else src
+
+    for i, (k, part, _, wr, cp) in enumerate(_events(rows)):
+        r = rows[k]
+        if part == "correct" and r[CORR_SLOT] >= 0 and r[CORR_R] >= 0:
+            if source((r[CORR_R], r[CORR_OUT])) == (r[U], r[CORR_SLOT]):
+                r[CORR_R] = -1
+        elif part == "steps" and r[OP] == CHAIN and r[SHARE_R] >= 0:
+            src = source((r[SHARE_U], r[SHARE_SLOT]))
+            if src is not None and src not in wr:  # nor written by this row's steps
+                r[SHARE_U], r[SHARE_SLOT] = src
+        for key in wr:
+            last_write[key] = i
+            if key in cp:
+                copies[key] = (cp[key], i)
+            else:
+                copies.pop(key, None)
+    read = {s for _, _, rd, _, _ in _events(rows) for s, _ in rd}
+    for r in rows:
+        if r[OP] == INJECT and r[R] > 0 and r[R] not in read and r[G] >= 0:
+            r[R], r[G] = r[G], -1
+        if r[OP] == CHAIN and r[INJ_SLOT] >= 0 and r[INJ_R] > 0 and r[INJ_R] not in read:
+            if r[INJ_G] >= 0:
+                r[INJ_R], r[INJ_G] = r[INJ_G], -1
+    return rows
+
+
+def _events(rows):
+    """The accesses of ``rows`` in the serial driver's order: (row, part, reads, writes,
+    copies), copies a dict {written (store, slot): the (store, slot) it is a copy of}."""
+    out = []
+    for k, r in enumerate(rows):
+        if r[OP] == CHAIN:
+            for part in ("correct", "inject", "steps"):
+                rd, wr = _row_access(r, part)
+                src = (r[U], r[INJ_SLOT])
+                out.append((k, part, rd, wr, {d: src for d in wr} if part == "inject" else {}))
+        elif r[OP] == POINT:
+            out.append((k, "steps", *_row_access(r, "steps"), {}))
+        else:
+            rd, wr, cp = set(), set(), {}
+            for q in range(r[LEN]):
+                a, b = _item_access(r, q)
+                rd, wr = rd | a, wr | b
+                if r[OP] == INJECT:
+                    cp.update({d: (r[U], r[FIRST] + q * r[N]) for d in b})
+            out.append((k, "copy", rd, wr, cp))
+    return out
+

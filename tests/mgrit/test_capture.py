@@ -150,7 +150,13 @@ def test_fuse_tails_only_where_it_computes_the_same():
 def test_a_fixed_cycle_count_becomes_one_tape_with_its_copies_on_the_chains():
     fwd, _, u0 = _propagators("dense", 32, "float64")
     s = MGRITSolver(fwd(), 32, MGRITOptions(**OPTIONS[0]), ops=vector_ops("numba"))
-    first = [s.solve(u0) for _ in range(3)]
+    first = [s.solve(u0) for _ in range(3)]  # captured, replayed in parts, replayed whole
+    plain = MGRITSolver(fwd(), 32, MGRITOptions(**OPTIONS[0]), ops=vector_ops("numba"),
+                        capture=False).solve(u0)
+    for res in first:
+        assert res.residuals == plain.residuals
+        for x, y in zip(res.states, plain.states):
+            np.testing.assert_array_equal(x, y)
     whole = {k: t for k, t in s._tapes.items() if k[0] == "solve"}
     assert len(whole) == 1
     tape = next(iter(whole.values()))
@@ -161,7 +167,6 @@ def test_a_fixed_cycle_count_becomes_one_tape_with_its_copies_on_the_chains():
     assert not (rows[:, T.OP] == T.CORRECT).any()
     assert sorted(rows[rows[:, T.OP] == T.INJECT, T.LEN]) == [1, 1, 3, 9]
     assert (rows[:, T.CORR_SLOT] >= 0).sum() == 2 * 2 + 2 * 8  # level 1 to 2, level 0 to 1
-    assert first[1].residuals == first[2].residuals
     s2 = MGRITSolver(fwd(), 32, MGRITOptions(**{**OPTIONS[0], "tol": 1e-9, "max_iter": 3,
                                                 "warn_not_converged": False}),
                      ops=vector_ops("numba"))
@@ -200,6 +205,37 @@ def test_fuse_copies_moves_each_item_onto_the_chain_that_ends_at_its_slot():
                                 _copy_case()[1:]))
     assert rows[0][T.OP] == T.INJECT and rows[0][T.LEN] == 2
     assert all(r[T.INJ_SLOT] < 0 for r in rows[1:])
+
+
+def test_read_sources_reads_an_injected_state_where_it_came_from_if_that_is_the_same():
+    def case(between=()):
+        inject = _row(T.INJECT, U=0, R=1, G=2, FIRST=1, N=4, OUT=1, LEN=2)
+        chain = _row(T.CHAIN, U=0, FIRST=2, N=3, MODE=2, CORR_SLOT=5, CORR_G=3, CORR_R=1,
+                     CORR_OUT=2)
+        return T.read_sources(_calls([inject], *[[list(r)] for r in between], [chain]))
+    rows = case()  # slot 2 of store 1 is a copy of slot 5 of store 0, unchanged since
+    assert rows[1][T.CORR_R] == -1
+    assert (rows[0][T.R], rows[0][T.G]) == (2, -1)  # store 1 is read by nobody: not written
+    rows = case(between=[_row(T.CHAIN, U=0, FIRST=5, N=1, MODE=2)])  # slot 5 changed since
+    assert rows[2][T.CORR_R] == 1 and (rows[0][T.R], rows[0][T.G]) == (1, 2)
+
+
+def test_replayed_forward_cycles_write_each_injected_state_once():
+    fwd, adj, u0 = _propagators("dense", 32, "float64")
+    for make in (fwd, adj):
+        s = MGRITSolver(make(), 32, MGRITOptions(**OPTIONS[0]), ops=vector_ops("numba"))
+        for _ in range(2):
+            s.solve(u0)
+        rows = next(t for k, t in s._tapes.items() if k[0] == "solve").rows
+        carried = rows[:, T.CORR_SLOT] >= 0
+        assert carried.any() and (rows[carried, T.CORR_R] == -1).all()
+        injected = rows[:, T.INJ_SLOT] >= 0
+        # forward: the FAS right-hand sides read the fine C-points, so the copies of them that
+        # the corrections and the coarse steps no longer read are not made; the adjoint's
+        # coarse steps (FAS points) read them
+        one_copy = (rows[injected, T.INJ_G] == -1).all() and \
+            (rows[rows[:, T.OP] == T.INJECT, T.G] == -1).all()
+        assert one_copy == (make is fwd)
 
 
 def test_zip_calls_pairs_points_with_chains_only_where_that_computes_the_same():
