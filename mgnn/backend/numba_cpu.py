@@ -1367,6 +1367,13 @@ def _correct_into(u, uc, v):
 
 
 @njit(cache=True)
+def _correct_self(u, uc):
+    """u = u + (uc - u), elementwise: the correction whose injected state is u itself."""
+    for e in range(u.size):
+        u[e] = u[e] + (uc[e] - u[e])
+
+
+@njit(cache=True)
 def _copy_into(dst, src):
     for e in range(dst.size):
         dst[e] = src[e]
@@ -1377,9 +1384,12 @@ def _tape_carried(S, row, part):
     """The correction (part 1) or injection (part 2) a CHAIN row carries (mgnn.backend.tape)."""
     U = S[row[_T.U]]
     if part == 1 and row[_T.CORR_SLOT] >= 0:
-        u = U[row[_T.CORR_SLOT]].reshape(-1)  # CORR_R = -1: v is u's own bits (read_sources)
-        v = S[row[_T.CORR_R]][row[_T.CORR_OUT]].reshape(-1) if row[_T.CORR_R] >= 0 else u
-        _correct_into(u, S[row[_T.CORR_G]][row[_T.CORR_OUT]].reshape(-1), v)
+        u = U[row[_T.CORR_SLOT]].reshape(-1)
+        uc = S[row[_T.CORR_G]][row[_T.CORR_OUT]].reshape(-1)
+        if row[_T.CORR_R] >= 0:
+            _correct_into(u, uc, S[row[_T.CORR_R]][row[_T.CORR_OUT]].reshape(-1))
+        else:  # v is u's own bits (read_sources); a loop of its own, as u aliasing v would
+            _correct_self(u, uc)  # fail the vectorised loop's overlap check
     elif part == 2 and row[_T.INJ_SLOT] >= 0:
         src = U[row[_T.INJ_SLOT]].reshape(-1)
         _copy_into(S[row[_T.INJ_R]][row[_T.INJ_OUT]].reshape(-1), src)
@@ -1423,13 +1433,11 @@ def _tape_row(S, row, hs, W, P, d0, act, adjoint, a, b, p, steps_only=False):
         return t
     R, first, stride, out = S[row[_T.R]], row[_T.FIRST], row[_T.N], row[_T.OUT]
     if op == _T.INJECT:
-        also = S[row[_T.G]] if row[_T.G] >= 0 else R
         for q in range(row[_T.LEN]):
-            src, dst = U[first + q * stride].reshape(-1), R[out + q].reshape(-1)
-            dst2 = also[out + q].reshape(-1)
-            for e in range(dst.size):
-                dst[e] = src[e]
-                dst2[e] = src[e]
+            src = U[first + q * stride].reshape(-1)
+            _copy_into(R[out + q].reshape(-1), src)
+            if row[_T.G] >= 0:
+                _copy_into(S[row[_T.G]][out + q].reshape(-1), src)
     elif op == _T.COPY:
         _copy_into(R.reshape(-1), U.reshape(-1))
     elif op == _T.CORRECT:
