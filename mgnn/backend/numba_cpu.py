@@ -1380,6 +1380,14 @@ def _copy_into(dst, src):
 
 
 @njit(cache=True)
+def _inject_into(S, r, g, out, src):
+    """Copy the state ``src`` (flat) into ``S[r][out]`` and, where ``g >= 0``, ``S[g][out]``."""
+    _copy_into(S[r][out].reshape(-1), src)
+    if g >= 0:
+        _copy_into(S[g][out].reshape(-1), src)
+
+
+@njit(cache=True)
 def _tape_carried(S, row, part):
     """The correction (part 1) or injection (part 2) a CHAIN row carries (mgnn.backend.tape)."""
     U = S[row[_T.U]]
@@ -1391,10 +1399,8 @@ def _tape_carried(S, row, part):
         else:  # v is u's own bits (read_sources); a loop of its own, as u aliasing v would
             _correct_self(u, uc)  # fail the vectorised loop's overlap check
     elif part == 2 and row[_T.INJ_SLOT] >= 0:
-        src = U[row[_T.INJ_SLOT]].reshape(-1)
-        _copy_into(S[row[_T.INJ_R]][row[_T.INJ_OUT]].reshape(-1), src)
-        if row[_T.INJ_G] >= 0:
-            _copy_into(S[row[_T.INJ_G]][row[_T.INJ_OUT]].reshape(-1), src)
+        _inject_into(S, row[_T.INJ_R], row[_T.INJ_G], row[_T.INJ_OUT],
+                     U[row[_T.INJ_SLOT]].reshape(-1))
 
 
 @njit(cache=True)
@@ -1434,10 +1440,7 @@ def _tape_row(S, row, hs, W, P, d0, act, adjoint, a, b, p, steps_only=False):
     R, first, stride, out = S[row[_T.R]], row[_T.FIRST], row[_T.N], row[_T.OUT]
     if op == _T.INJECT:
         for q in range(row[_T.LEN]):
-            src = U[first + q * stride].reshape(-1)
-            _copy_into(R[out + q].reshape(-1), src)
-            if row[_T.G] >= 0:
-                _copy_into(S[row[_T.G]][out + q].reshape(-1), src)
+            _inject_into(S, row[_T.R], row[_T.G], out + q, U[first + q * stride].reshape(-1))
     elif op == _T.COPY:
         _copy_into(R.reshape(-1), U.reshape(-1))
     elif op == _T.CORRECT:

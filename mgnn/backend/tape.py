@@ -474,3 +474,9 @@ def _events(rows):
             out.append((k, "copy", rd, wr, cp))
     return out
 
+
+def rewrite_copies(rows):
+    """``rows`` after the copy rewrites, in the order they rely on: :func:`fuse_copies` (items
+    onto the chains ending at their slots), :func:`read_sources` (reads at the source, dead
+    copies dropped), then :func:`zip_calls` (FAS points paired with their chains)."""
+    return zip_calls(read_sources(fuse_copies(rows)))

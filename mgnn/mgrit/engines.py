@@ -463,7 +463,7 @@ class _Recorder:
         hs = np.array([h for h, _ in sorted(self.hs.items(), key=lambda kv: kv[1])],
                       dtype=dtype)
         rows = T.share_first_steps(T.fuse_tails(self.rows))
-        rows = T.zip_calls(T.read_sources(T.fuse_copies(rows)))
+        rows = T.rewrite_copies(rows)
         rows = np.array(rows, dtype=np.int64).reshape(-1, T.COLS)
         stores = [None] + self.stores[1:]  # item 0: the level-0 store of each replay
         return Tape(rows, stores, hs, self.n_norms,
@@ -514,8 +514,9 @@ class StackedEngine(ListEngine):
     def merge_tapes(self, tapes, key):
         """One :class:`Tape` that runs ``tapes`` (captured on this engine, level-0 store item 0 in
         each) one after the other: their stores, step sizes and norms renumbered, then
-        :func:`mgnn.backend.tape.fuse_copies` and ``read_sources`` across the seams (a cycle's
-        last correction rides on the next cycle's first chains). Its replay returns the parts' values as a list."""
+        :func:`mgnn.backend.tape.rewrite_copies` across the seams (a cycle's last correction
+        rides on the next cycle's first chains). Its replay returns the parts' values as a
+        list."""
         stores, index, hs, rows, results, n_norms = [None], {}, [], [], [], 0
         for t in tapes:
             remap = [0]
@@ -537,7 +538,7 @@ class StackedEngine(ListEngine):
             results.append(t.result + n_norms if isinstance(t.result, int) else t.result)
             hs += t.hs.tolist()
             n_norms += t.n_norms
-        rows = T.zip_calls(T.read_sources(T.fuse_copies(rows)))
+        rows = T.rewrite_copies(rows)
         rows = np.array(rows, dtype=np.int64).reshape(-1, T.COLS)
         return Tape(rows, stores, np.array(hs, dtype=tapes[0].hs.dtype), n_norms, results, key)
 

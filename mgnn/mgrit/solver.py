@@ -230,10 +230,10 @@ class MGRITSolver:
         ``tape_layers``, ``tape_stores``, ``run_tape``), host states, one rank and no spatial
         coarsening. With ``tol = 0`` (a fixed cycle count) the whole solve becomes one tape once
         each of its cycles has replayed (a divergence is then raised, with the same message,
-        after the whole solve has run rather than after the cycle that diverged). A stacked propagator with ``graphs = True`` (``begin_graph``, ``end_graph``,
-        ``graph_key``: a GPU backend) instead has its second run of each cycle captured as a
-        CUDA graph and launched from then on (with ``reuse_states``, one rank, no spatial
-        coarsening). Otherwise, or ``False``, every cycle runs through the engine.
+        after the whole solve has run rather than after the cycle that diverged). A stacked
+        propagator with ``graphs = True`` (``begin_graph``, ``end_graph``, ``graph_key``: a GPU
+        backend) instead has its second run of each cycle captured as a CUDA graph and launched
+        from then on (with ``reuse_states``, one rank, no spatial coarsening). Otherwise, or ``False``, every cycle runs through the engine.
     abort_on_error : bool
         In a distributed solve, an exception on any rank (a user propagator's included) is
         reported and ends every rank with ``comm.Abort`` instead of leaving the others waiting.
