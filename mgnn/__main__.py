@@ -663,8 +663,10 @@ def cmd_bench(args):
         text = format_gpu_launches(results)
     else:
         from .bench_spatial import format_mgrit_comparison, mgrit_comparison
-        results = [r for w in (16, 64)
-                   for r in bench_mgrit(n_layers=64 if args.quick else 256, width=w)]
+        # pinned to one thread (work efficiency) and as LayerParallel sets threads by default
+        results = [r for threads in (1, "auto") for w in (16, 64)
+                   for r in bench_mgrit(n_layers=64 if args.quick else 256, width=w,
+                                        threads=threads)]
         text = format_mgrit(results)
         # conv ResNets with and without spatial coarsening: work in fine-step equivalents
         for size, n in (((16, 16), 16), ((8, 8, 8), 8)) if args.quick else \

@@ -1,5 +1,6 @@
 """Benchmarks behind ``python -m mgnn bench``: each measures mgnn against a baseline side by side in
 the same run and reports the ratio (timings are never asserted by tests)."""
+import contextlib
 import time
 
 import numpy as np
@@ -373,7 +374,7 @@ class _CountingPropagator:
 
 def bench_mgrit(n_layers=256, width=64, batch=128, cf=4, levels=3, nrelax=(0, 1), cycles=2,
                 backend="numba", dtype="float32", activation="relu", skip=True, seed=0,
-                repeats=15, rounds=6):
+                repeats=15, rounds=6, threads=1):
     """Forward and adjoint MGRIT solves of a dense net against the cost model: time of the solve
     over (its layer evaluations x the serial sweep's time per layer evaluation), same kernels and
     run. The serial sweep: the faster of the exact layer-by-layer solve (one chain of N steps)
@@ -384,7 +385,41 @@ def bench_mgrit(n_layers=256, width=64, batch=128, cf=4, levels=3, nrelax=(0, 1)
     ``repeats`` short samples (>= 5 ms each), the candidates interleaved round by round; the
     ratio uses the fastest sample of each, since other processes on a shared machine only add
     time (and add more to a solve whose working set is larger). ``*_median`` gives the same
-    with the medians, which show how much the machine added."""
+    with the medians, which show how much the machine added.
+
+    ``threads``: the thread counts of the run (:func:`mgnn.comm.configure_threads`, the
+    process's counts put back afterwards): 1 (default) pins BLAS and Numba to one thread, the
+    issue's configuration, where the ratio measures work efficiency alone; 'auto' is what
+    :class:`LayerParallel` sets by default (one BLAS thread, Numba threads on every core), so
+    MGRIT's intervals run in parallel while the serial sweep cannot."""
+    with _thread_setting(threads) as info:
+        rows = _bench_mgrit(n_layers, width, batch, cf, levels, nrelax, cycles, backend, dtype,
+                            activation, skip, seed, repeats, rounds)
+    label = f" threads={threads} (BLAS {info['blas']}, Numba {info['numba']})"
+    return [dict(r, name=r["name"] + label, threads=threads, blas_threads=info["blas"],
+                 numba_threads=info["numba"]) for r in rows]
+
+
+@contextlib.contextmanager
+def _thread_setting(threads):
+    """Context: :func:`mgnn.comm.configure_threads` (one process) with ``threads``; yields its
+    report, and sets Numba's and every BLAS's counts back to what they were on exit."""
+    import numba
+
+    from .backend.blas_threads import blas_controllers
+    from .comm import configure_threads
+    before = numba.get_num_threads(), [(c, c.num_threads) for c in blas_controllers(True)]
+    try:
+        yield configure_threads(None, threads)
+    finally:
+        numba.set_num_threads(before[0])
+        for ctl, n in before[1]:
+            ctl.set_num_threads(n)
+
+
+def _bench_mgrit(n_layers, width, batch, cf, levels, nrelax, cycles, backend, dtype, activation,
+                 skip, seed, repeats, rounds):
+    """:func:`bench_mgrit` under the thread setting it chose."""
     from .backend import vector_ops
     from .mgrit import MGRITOptions, MGRITSolver, cycle_work, level_sizes
     from .network import AdjointPropagator, ForwardPropagator

@@ -20,8 +20,13 @@ def test_bench_mgrit_counts_the_model_work_and_reports_both_statistics(monkeypat
         order.append(kind)
         return list(fake[kind])
     monkeypatch.setattr(bench, "time_samples", samples)
+    import numba
+    numba_before = numba.get_num_threads()
     rows = bench_mgrit(n_layers=32, width=4, batch=2, repeats=3, rounds=1)
     assert order == calls
+    assert numba.get_num_threads() == numba_before  # the pinned run's counts put back
+    assert all((r["threads"], r["numba_threads"], r["blas_threads"]) == (1, 1, 1) and
+               "threads=1 (BLAS 1, Numba 1)" in r["name"] for r in rows)
     assert [r["direction"] for r in rows] == ["forward", "adjoint"]
     for r in rows:
         assert r["evals"] == r["model_evals"] and r["captured"] and r["stacked"]

@@ -28,6 +28,7 @@ def overload(fn, **options):
     options.setdefault("jit_options", {"error_model": "numpy"})
     return _overload(fn, **options)
 
+from .blas_threads import one_blas_thread
 from . import tape as _T
 from .numpy_ref import (_int, bn_dims, check_stacked, conv3d_check, gate_check,
                         recurrent_adjoint_check, recurrent_caches_check,
@@ -1267,9 +1268,12 @@ def _run(kind, adjoint, U, G, R, W, P, d0, idx, outs, layer0, layer_step, h, act
     """One driver call; ``parallel`` None: the prange variant iff threads and > 1 chain."""
     if parallel is None:
         parallel = idx.shape[0] > 1 and numba.get_num_threads() > 1
-    return _DRIVERS[kind, adjoint][bool(parallel)](
-        U, U if G is None else G, G is not None, U if R is None else R, W, P, d0, idx, outs,
-        layer0, layer_step, h, act, mode)
+    args = (U, U if G is None else G, G is not None, U if R is None else R, W, P, d0, idx, outs,
+            layer0, layer_step, h, act, mode)
+    if parallel and kind == "dense":  # np.dot in every thread: BLAS threads would oversubscribe
+        with one_blas_thread():
+            return _DRIVERS[kind, adjoint][True](*args)
+    return _DRIVERS[kind, adjoint][bool(parallel)](*args)
 
 
 def _stacked_kind(kind):
@@ -1529,8 +1533,11 @@ def _run_tape(kind, stores, ops, hs, W, P, d0, act, adjoint, norms, parallel=Non
                         "adjoint)")
     if parallel is None:
         parallel = numba.get_num_threads() > 1
-    (_tape_par if parallel else _tape)(stores, ops, hs, W, P, int(d0), int(act), bool(adjoint),
-                                       norms)
+    args = (stores, ops, hs, W, P, int(d0), int(act), bool(adjoint), norms)
+    if parallel and kind == "dense":  # np.dot in every thread: BLAS threads would oversubscribe
+        with one_blas_thread():
+            return _tape_par(*args)
+    (_tape_par if parallel else _tape)(*args)
 
 
 _STACKED_NDIM = {"dense": 3, "conv": 5}

@@ -28,6 +28,7 @@ import numbers
 import os
 import sys
 
+from ..backend.blas_threads import blas_controllers as _blas_controllers
 from .layout import agree_on_errors
 
 # the variables each BLAS family reads when it loads (OpenBLAS: openblas_read_env)
@@ -84,24 +85,6 @@ def _env_int(environ, names):
         if n >= 1:
             return name, n
     return None, None
-
-
-def _blas_controllers(load_numba_blas):
-    """threadpoolctl controllers of every loaded BLAS; with ``load_numba_blas`` first load the
-    one Numba's np.dot calls (SciPy's, ``scipy.linalg.cython_blas``) so it is limited too."""
-    if load_numba_blas:
-        try:
-            import scipy.linalg.cython_blas  # noqa: F401
-        except ImportError:
-            pass
-    from threadpoolctl import ThreadpoolController
-    loaded = len(sys.modules)  # a new library can only come with a new module
-    if _CONTROLLERS.get("modules") != loaded:
-        _CONTROLLERS.update(modules=loaded, blas=ThreadpoolController().select(user_api="blas"))
-    return _CONTROLLERS["blas"].lib_controllers
-
-
-_CONTROLLERS = {}  # the BLAS controllers found at a count of loaded modules (scans are slow)
 
 
 def _numba(n=None, why=None, environ=None):

@@ -1,0 +1,53 @@
+"""BLAS thread pools of this process (threadpoolctl), and one BLAS thread inside Numba's
+parallel loops.
+
+mgnn's dense kernels call BLAS through ``np.dot`` (Numba: SciPy's ``cython_blas``). Inside a
+``prange`` loop every Numba thread makes its own calls, so a BLAS that starts threads of its own
+oversubscribes the cores: on 2 cores with OpenBLAS's default 2 threads, a dense MGRIT solve
+(N = 256, w = 64, B = 128) whose chains ran in parallel took 180 ms against 11 ms with one BLAS
+thread. :func:`one_blas_thread` sets every loaded BLAS to one thread for the duration of such a
+call and puts the counts back after, so the parallel drivers are safe whatever the process's
+BLAS setting (:func:`mgnn.comm.configure_threads` sets the counts for a whole run).
+"""
+import contextlib
+import sys
+
+_CONTROLLERS = {}  # the BLAS controllers found at a count of loaded modules (scans are slow)
+
+
+def blas_controllers(load_numba_blas=False):
+    """threadpoolctl controllers of every loaded BLAS (cached until a module is imported; [] if
+    threadpoolctl is missing); with ``load_numba_blas`` first load the one Numba's ``np.dot``
+    calls (SciPy's ``scipy.linalg.cython_blas``) so it is found too."""
+    if load_numba_blas:
+        try:
+            import scipy.linalg.cython_blas  # noqa: F401
+        except ImportError:
+            pass
+    loaded = len(sys.modules)  # a new library can only come with a new module
+    if _CONTROLLERS.get("modules") != loaded:
+        try:
+            from threadpoolctl import ThreadpoolController
+        except ImportError:
+            found = []
+        else:
+            found = ThreadpoolController().select(user_api="blas").lib_controllers
+        _CONTROLLERS.update(modules=len(sys.modules), blas=found)
+    return _CONTROLLERS["blas"]
+
+
+@contextlib.contextmanager
+def one_blas_thread():
+    """Context: every loaded BLAS runs one thread inside it; the counts that were higher are
+    restored on exit (a few microseconds when every BLAS already has one thread)."""
+    lowered = []
+    for ctl in blas_controllers():
+        n = ctl.num_threads
+        if n > 1:
+            ctl.set_num_threads(1)
+            lowered.append((ctl, n))
+    try:
+        yield
+    finally:
+        for ctl, n in lowered:
+            ctl.set_num_threads(n)

@@ -1,0 +1,68 @@
+"""One BLAS thread inside Numba's parallel dense drivers (np.dot in every Numba thread), the
+process's BLAS counts untouched outside them."""
+import numpy as np
+import pytest
+
+import mgnn.backend.numba_cpu as nb
+from mgnn.backend.blas_threads import blas_controllers, one_blas_thread
+
+
+@pytest.fixture
+def two_blas_threads():
+    """Every loaded BLAS (Numba's SciPy one included) at 2 threads; the counts put back after."""
+    ctls = blas_controllers(True)
+    assert ctls, "no BLAS found: threadpoolctl should see NumPy's and SciPy's"
+    before = [(c, c.num_threads) for c in ctls]
+    for c in ctls:
+        c.set_num_threads(2)
+    if max(c.num_threads for c in ctls) < 2:
+        pytest.skip("this BLAS build runs one thread only")
+    yield ctls
+    for c, n in before:
+        c.set_num_threads(n)
+
+
+def _most(ctls):
+    return max(c.num_threads for c in ctls)
+
+
+def test_one_blas_thread_lowers_and_restores(two_blas_threads):
+    counts = [c.num_threads for c in two_blas_threads]
+    with one_blas_thread():
+        assert _most(two_blas_threads) == 1
+    assert [c.num_threads for c in two_blas_threads] == counts
+    with pytest.raises(RuntimeError, match="inside"):
+        with one_blas_thread():
+            raise RuntimeError("inside")
+    assert [c.num_threads for c in two_blas_threads] == counts  # restored on an exception too
+
+
+def _recording(seen, name):
+    def driver(*args):
+        seen.append((name, _most(blas_controllers())))
+        return 0.0
+    return driver
+
+
+def test_parallel_dense_drivers_run_with_one_blas_thread(two_blas_threads, monkeypatch):
+    """The stacked kernels' and the tape's prange drivers see one BLAS thread; the serial
+    drivers and the conv drivers (no BLAS) see the process's count."""
+    seen = []
+    drivers = {key: (_recording(seen, f"{key[0]} serial"), _recording(seen, f"{key[0]} par"))
+               for key in nb._DRIVERS}
+    monkeypatch.setattr(nb, "_DRIVERS", drivers)
+    monkeypatch.setattr(nb, "_tape", _recording(seen, "tape serial"))
+    monkeypatch.setattr(nb, "_tape_par", _recording(seen, "tape par"))
+    U = np.zeros((4, 2, 3), np.float32)
+    idx, outs = np.array([[1, 1], [2, 1]]), np.zeros(0, np.int64)
+    for kind in ("dense", "conv"):
+        for parallel in (True, False):
+            nb._run(kind, False, U, None, None, None, None, 0, idx, outs, 1, 1, None, 0, 2,
+                    parallel)
+    W, hs = np.zeros((1, 3, 3), np.float32), np.zeros(1, np.float32)
+    for parallel in (True, False):
+        nb._run_tape("dense", [U], None, hs, W, np.zeros((1, 3), np.float32), 0, 0, False,
+                     np.zeros(1), parallel)
+    assert seen == [("dense par", 1), ("dense serial", 2), ("conv par", 2), ("conv serial", 2),
+                    ("tape par", 1), ("tape serial", 2)]
+    assert _most(two_blas_threads) == 2
