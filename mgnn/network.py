@@ -11,6 +11,7 @@ import time
 import numpy as np
 
 from .backend import check_dtype, get_backend, grid_transfer, is_device_array, to_host, vector_ops
+from .backend.blas_threads import solve_blas_context
 from .comm import (Layout, abort_on_error, agree_on_errors, apply_threads, configure_threads,
                    wait_request)
 from .comm.halo import tag
@@ -354,6 +355,11 @@ class ForwardPropagator:
         self.graphs = self.stacked and bool(getattr(bk, "graphs", False))
         self.replicas = {}
 
+    def solve_context(self):
+        """What a solve runs in: one BLAS thread while Numba's threads run the chains
+        (:func:`mgnn.backend.blas_threads.solve_blas_context`)."""
+        return solve_blas_context(self.bk)
+
     def begin_graph(self):
         """Capture the backend's launches that follow into a graph (a GPU backend)."""
         self.bk.begin_capture()
@@ -461,7 +467,7 @@ class AdjointPropagator:
         self.replicas = {}
 
     coarse_replica = ForwardPropagator.coarse_replica
-    tape_stores = ForwardPropagator.tape_stores
+    tape_stores, solve_context = ForwardPropagator.tape_stores, ForwardPropagator.solve_context
     begin_graph, end_graph = ForwardPropagator.begin_graph, ForwardPropagator.end_graph
 
     def graph_key(self):

@@ -825,6 +825,8 @@ _export_batched()
 # slot through the same per-element code (_combine) as the single-step kernels' epilogues; the
 # dense steps always take the fused np.dot path (never the NumPy route of WIDE).
 stacked_states = True  #: has the stacked-state kernels (:data:`mgnn.backend.STACKED_KERNELS`)
+#: its parallel dense drivers call BLAS from Numba's threads (:mod:`mgnn.backend.blas_threads`)
+blas_in_threads = True
 
 
 @njit(cache=True, inline="always")

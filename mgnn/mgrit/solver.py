@@ -19,6 +19,7 @@ propagator offers ``coarse_replica`` (``coarsest``).
 States are kept per level by an engine (:mod:`.engines`): lists of arrays for any propagator, or
 one preallocated array per level for a ``stacked`` propagator (whole sweeps per call).
 """
+import contextlib
 import math
 import numbers
 import time
@@ -175,6 +176,9 @@ class MGRITSolver:
       ``fused_rhs = True`` (with ``batched``): ``step_batch(us, starts, stops, level, rhs)``
       returns ``[Phi(us[p]) + rhs[p]]`` (one launch instead of two; single points with a
       right-hand side go through it too); ``rhs`` is read-only.
+
+      ``solve_context()``: a context manager the solver enters around each :meth:`solve`
+      (mgnn's propagators: one BLAS thread while Numba's threads run the chains).
 
       ``restrict(u, level)`` and ``interpolate(e, level)`` (both, or neither): spatial
       coarsening (XBraid's coarsen/refine). Level l + 1 then holds states of the shape
@@ -577,9 +581,11 @@ class MGRITSolver:
         # the tolerance for u0's dtype: the same on every rank, so raised alike before any message
         o = self.options.for_dtype(u0.dtype) if hasattr(u0, "dtype") else self.options
         # a divergence is seen in the residual summed over every rank: raised on all alike
+        context = getattr(self.prop, "solve_context", None)
         with abort_on_error(self.comm if self.abort else None, "mgnn MGRIT",
                             collective=(DivergenceError,)):
-            return self._solve(u0, initial_guess, o)
+            with context() if context is not None else contextlib.nullcontext():
+                return self._solve(u0, initial_guess, o)
 
     def _captured(self, key, U, run):
         """``run()`` (a cycle or the final relaxation on the level-0 store U): captured the first

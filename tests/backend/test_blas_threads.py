@@ -66,3 +66,68 @@ def test_parallel_dense_drivers_run_with_one_blas_thread(two_blas_threads, monke
     assert seen == [("dense par", 1), ("dense serial", 2), ("conv par", 2), ("conv serial", 2),
                     ("tape par", 1), ("tape serial", 2)]
     assert _most(two_blas_threads) == 2
+
+
+def test_solve_context_holds_one_blas_thread_while_numba_threads_run(two_blas_threads):
+    """mgnn's propagators' solve context (numba backend, more than one Numba thread): one BLAS
+    thread for the whole solve; with one Numba thread, or a backend that calls no BLAS from
+    Numba's threads, the counts stay as the process set them."""
+    import numba
+
+    from mgnn.backend import get_backend
+    from mgnn.backend.blas_threads import solve_blas_context
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("Numba was started with one thread (NUMBA_NUM_THREADS=1)")
+    before = numba.get_num_threads()
+    try:
+        numba.set_num_threads(2)
+        with solve_blas_context(get_backend("numba")):
+            assert _most(two_blas_threads) == 1
+        assert _most(two_blas_threads) == 2
+        with solve_blas_context(get_backend("numpy")):
+            assert _most(two_blas_threads) == 2
+        numba.set_num_threads(1)
+        with solve_blas_context(get_backend("numba")):
+            assert _most(two_blas_threads) == 2
+    finally:
+        numba.set_num_threads(before)
+
+
+def test_solver_runs_each_solve_inside_the_propagators_solve_context():
+    """MGRITSolver enters ``solve_context()`` around every solve: every step runs inside it,
+    and it is left after the solve (also when the solve raises)."""
+    import contextlib
+
+    from mgnn.mgrit import MGRITOptions, MGRITSolver
+
+    class Scaling:
+        fresh_outputs = True
+
+        def __init__(self):
+            self.inside, self.log, self.fail = False, [], False
+
+        @contextlib.contextmanager
+        def solve_context(self):
+            self.inside = True
+            self.log.append("enter")
+            try:
+                yield
+            finally:
+                self.inside = False
+                self.log.append("exit")
+
+        def step(self, u, start, stop, level):
+            assert self.inside, "a step outside the solve context"
+            if self.fail:
+                raise RuntimeError("step failed")
+            return u * 0.5 ** (stop - start)
+
+    prop = Scaling()
+    solver = MGRITSolver(prop, 16, MGRITOptions(cf=2, max_levels=2, tol=0.0, max_iter=2))
+    res = solver.solve(np.ones(3))
+    assert np.allclose(res.final, 0.5 ** 16)
+    assert prop.log == ["enter", "exit"] and not prop.inside
+    prop.fail = True
+    with pytest.raises(RuntimeError, match="step failed"):
+        solver.solve(np.ones(3))
+    assert prop.log == ["enter", "exit"] * 2 and not prop.inside
