@@ -404,17 +404,14 @@ def bench_mgrit(n_layers=256, width=64, batch=128, cf=4, levels=3, nrelax=(0, 1)
 def _thread_setting(threads):
     """Context: :func:`mgnn.comm.configure_threads` (one process) with ``threads``; yields its
     report, and sets Numba's and every BLAS's counts back to what they were on exit."""
-    import numba
+    import numba  # noqa: F401 (Numba's count is part of the snapshot)
 
-    from .backend.blas_threads import blas_controllers
-    from .comm import configure_threads
-    before = numba.get_num_threads(), [(c, c.num_threads) for c in blas_controllers(True)]
+    from .comm import configure_threads, restore_threads, snapshot_threads
+    saved = snapshot_threads()
     try:
         yield configure_threads(None, threads)
     finally:
-        numba.set_num_threads(before[0])
-        for ctl, n in before[1]:
-            ctl.set_num_threads(n)
+        restore_threads(saved)
 
 
 def _bench_mgrit(n_layers, width, batch, cf, levels, nrelax, cycles, backend, dtype, activation,

@@ -356,9 +356,9 @@ class ForwardPropagator:
         self.replicas = {}
 
     def solve_context(self):
-        """What a solve runs in: one BLAS thread while Numba's threads run the chains
-        (:func:`mgnn.backend.blas_threads.solve_blas_context`)."""
-        return solve_blas_context(self.bk)
+        """What a solve runs in: one BLAS thread while Numba's threads run the chains of a
+        stacked dense solve (:func:`mgnn.backend.blas_threads.solve_blas_context`)."""
+        return solve_blas_context(self.bk, self.stacked and isinstance(self.kind, DenseStep))
 
     def begin_graph(self):
         """Capture the backend's launches that follow into a graph (a GPU backend)."""

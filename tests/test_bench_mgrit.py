@@ -21,10 +21,24 @@ def test_bench_mgrit_counts_the_model_work_and_reports_both_statistics(monkeypat
         return list(fake[kind])
     monkeypatch.setattr(bench, "time_samples", samples)
     import numba
+
+    from mgnn.backend.blas_threads import blas_controllers
     numba_before = numba.get_num_threads()
-    rows = bench_mgrit(n_layers=32, width=4, batch=2, repeats=3, rounds=1)
+    blas = blas_controllers(True)
+    blas_before = [c.num_threads for c in blas]
+    try:
+        numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+        for c in blas:
+            c.set_num_threads(2)
+        counts = numba.get_num_threads(), [c.num_threads for c in blas]
+        rows = bench_mgrit(n_layers=32, width=4, batch=2, repeats=3, rounds=1)
+        # the pinned run's counts put back, Numba's and every BLAS's
+        assert (numba.get_num_threads(), [c.num_threads for c in blas]) == counts
+    finally:
+        numba.set_num_threads(numba_before)
+        for c, n in zip(blas, blas_before):
+            c.set_num_threads(n)
     assert order == calls
-    assert numba.get_num_threads() == numba_before  # the pinned run's counts put back
     assert all((r["threads"], r["numba_threads"], r["blas_threads"]) == (1, 1, 1) and
                "threads=1 (BLAS 1, Numba 1)" in r["name"] for r in rows)
     assert [r["direction"] for r in rows] == ["forward", "adjoint"]
@@ -44,3 +58,18 @@ def test_time_samples_loops_until_each_sample_is_long_enough():
     calls = []
     samples = time_samples(lambda: calls.append(1), repeats=3, warmup=1, min_time=0.0)
     assert len(samples) == 3 and len(calls) == 1 + 1 + 3 and min(samples) >= 0
+
+
+def test_bench_mgrit_auto_threads_as_layer_parallel_sets_them(monkeypatch):
+    """threads='auto': one BLAS thread and Numba's threads on every core (what LayerParallel
+    sets by default, unless the environment sets them), reported in each row."""
+    import mgnn.bench as bench
+    from mgnn.comm import configure_threads
+    monkeypatch.setattr(bench, "time_samples", lambda fn, **kw: (fn(), [1.0])[1])
+    expected = configure_threads(None, "auto")  # what the bench will choose (then put back)
+    rows = bench_mgrit(n_layers=32, width=4, batch=2, repeats=1, rounds=1, threads="auto")
+    assert [r["direction"] for r in rows] == ["forward", "adjoint"]
+    for r in rows:
+        assert (r["threads"], r["blas_threads"], r["numba_threads"]) == \
+            ("auto", expected["blas"], expected["numba"])
+        assert f"threads=auto (BLAS {expected['blas']}, Numba {expected['numba']})" in r["name"]

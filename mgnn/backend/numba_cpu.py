@@ -1270,12 +1270,18 @@ def _run(kind, adjoint, U, G, R, W, P, d0, idx, outs, layer0, layer_step, h, act
     """One driver call; ``parallel`` None: the prange variant iff threads and > 1 chain."""
     if parallel is None:
         parallel = idx.shape[0] > 1 and numba.get_num_threads() > 1
-    args = (U, U if G is None else G, G is not None, U if R is None else R, W, P, d0, idx, outs,
-            layer0, layer_step, h, act, mode)
-    if parallel and kind == "dense":  # np.dot in every thread: BLAS threads would oversubscribe
-        with one_blas_thread():
-            return _DRIVERS[kind, adjoint][True](*args)
-    return _DRIVERS[kind, adjoint][bool(parallel)](*args)
+    return _call_driver(_DRIVERS[kind, adjoint][bool(parallel)], parallel and kind == "dense",
+                        U, U if G is None else G, G is not None, U if R is None else R, W, P, d0,
+                        idx, outs, layer0, layer_step, h, act, mode)
+
+
+def _call_driver(driver, blas_in_threads, *args):
+    """``driver(*args)``; with ``blas_in_threads`` (a prange driver whose threads call np.dot)
+    under one BLAS thread, since BLAS threads of its own would oversubscribe the cores."""
+    if not blas_in_threads:
+        return driver(*args)
+    with one_blas_thread():
+        return driver(*args)
 
 
 def _stacked_kind(kind):
@@ -1535,11 +1541,8 @@ def _run_tape(kind, stores, ops, hs, W, P, d0, act, adjoint, norms, parallel=Non
                         "adjoint)")
     if parallel is None:
         parallel = numba.get_num_threads() > 1
-    args = (stores, ops, hs, W, P, int(d0), int(act), bool(adjoint), norms)
-    if parallel and kind == "dense":  # np.dot in every thread: BLAS threads would oversubscribe
-        with one_blas_thread():
-            return _tape_par(*args)
-    (_tape_par if parallel else _tape)(*args)
+    _call_driver(_tape_par if parallel else _tape, parallel and kind == "dense", stores, ops, hs,
+                 W, P, int(d0), int(act), bool(adjoint), norms)
 
 
 _STACKED_NDIM = {"dense": 3, "conv": 5}

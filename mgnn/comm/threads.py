@@ -28,6 +28,7 @@ import numbers
 import os
 import sys
 
+from ..backend import blas_threads as _blas
 from ..backend.blas_threads import blas_controllers as _blas_controllers
 from .layout import agree_on_errors
 
@@ -195,6 +196,23 @@ def apply_threads(info):
             if ctl.filepath in wanted:
                 ctl.set_num_threads(wanted[ctl.filepath])
         _APPLIED["blas"] = counts
+
+
+def snapshot_threads():
+    """This process's thread counts now (Numba's for the calling thread, every BLAS's), for
+    :func:`restore_threads`."""
+    numba = sys.modules.get("numba")
+    return (None if numba is None else numba.get_num_threads()), _blas.snapshot()
+
+
+def restore_threads(saved):
+    """Set the counts of a :func:`snapshot_threads` back; the next :func:`apply_threads` then
+    sets its own BLAS counts again (it no longer knows what is in effect)."""
+    n_numba, blas = saved
+    if n_numba is not None:
+        sys.modules["numba"].set_num_threads(n_numba)
+    _blas.restore(blas)
+    _APPLIED.pop("blas", None)
 
 
 def describe(info):

@@ -237,7 +237,8 @@ class MGRITSolver:
         after the whole solve has run rather than after the cycle that diverged). A stacked
         propagator with ``graphs = True`` (``begin_graph``, ``end_graph``, ``graph_key``: a GPU
         backend) instead has its second run of each cycle captured as a CUDA graph and launched
-        from then on (with ``reuse_states``, one rank, no spatial coarsening). Otherwise, or ``False``, every cycle runs through the engine.
+        from then on (with ``reuse_states``, one rank, no spatial coarsening). Otherwise, or
+        ``False``, every cycle runs through the engine.
     abort_on_error : bool
         In a distributed solve, an exception on any rank (a user propagator's included) is
         reported and ends every rank with ``comm.Abort`` instead of leaving the others waiting.
@@ -257,6 +258,8 @@ class MGRITSolver:
         n_steps = self.sizes[0]
         self.prop, self.n_steps = propagator, n_steps
         self.pull = bool(getattr(propagator, "pull", False))
+        context = getattr(propagator, "solve_context", None)
+        self._solve_context = context if callable(context) else contextlib.nullcontext
         # spatial coarsening: coarse levels hold states of other shapes (XBraid's
         # coarsen/refine): restrict(u, l) maps level l to l + 1, interpolate(e, l) back
         self._spatial = all(callable(getattr(propagator, m, None))
@@ -581,10 +584,9 @@ class MGRITSolver:
         # the tolerance for u0's dtype: the same on every rank, so raised alike before any message
         o = self.options.for_dtype(u0.dtype) if hasattr(u0, "dtype") else self.options
         # a divergence is seen in the residual summed over every rank: raised on all alike
-        context = getattr(self.prop, "solve_context", None)
         with abort_on_error(self.comm if self.abort else None, "mgnn MGRIT",
                             collective=(DivergenceError,)):
-            with context() if context is not None else contextlib.nullcontext():
+            with self._solve_context():
                 return self._solve(u0, initial_guess, o)
 
     def _captured(self, key, U, run):

@@ -93,6 +93,58 @@ def test_solve_context_holds_one_blas_thread_while_numba_threads_run(two_blas_th
         numba.set_num_threads(before)
 
 
+_FRESH = """
+import sys
+from mgnn.backend.blas_threads import blas_controllers, one_blas_thread
+assert "scipy.linalg.cython_blas" not in sys.modules  # Numba loads it at its first np.dot
+with one_blas_thread():
+    scipy_blas = [c for c in blas_controllers() if "scipy" in c.filepath]
+    assert scipy_blas and all(c.num_threads == 1 for c in scipy_blas), scipy_blas
+print("OK")
+"""
+
+
+def test_one_blas_thread_finds_numbas_blas_in_a_fresh_process():
+    """In a fresh process, before Numba's first np.dot has imported SciPy's cython_blas, the
+    BLAS that np.dot will call is among those the context limits (it loads that module before
+    it scans, in case nothing else has loaded the library yet)."""
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS")}
+    res = subprocess.run([sys.executable, "-c", _FRESH], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip() == "OK", res.stdout + res.stderr
+
+
+def test_mgnn_propagators_hold_one_blas_thread_in_dense_stacked_solves(two_blas_threads):
+    """ForwardPropagator / AdjointPropagator on the numba backend: a dense stacked solve holds
+    one BLAS thread (with more than one Numba thread); a conv one, or the numpy backend, not."""
+    import numba
+
+    import mgnn
+    from mgnn.backend import get_backend
+    from mgnn.network import AdjointPropagator, ForwardPropagator
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("Numba was started with one thread (NUMBA_NUM_THREADS=1)")
+    dense = mgnn.dense_resnet(4, 4, 3, 8, seed=0)
+    conv = mgnn.conv_resnet(1, 2, (4, 4), 3, 4, seed=0)
+    before = numba.get_num_threads()
+    try:
+        numba.set_num_threads(2)
+        for name, lowered in (("numba", True), ("numpy", False)):
+            bk = get_backend(name)
+            for prop in (ForwardPropagator(dense, bk), AdjointPropagator(dense, [], [], bk)):
+                with prop.solve_context():
+                    assert _most(two_blas_threads) == (1 if lowered else 2), (name, prop)
+                assert _most(two_blas_threads) == 2
+        with ForwardPropagator(conv, get_backend("numba")).solve_context():
+            assert _most(two_blas_threads) == 2
+    finally:
+        numba.set_num_threads(before)
+
+
 def test_solver_runs_each_solve_inside_the_propagators_solve_context():
     """MGRITSolver enters ``solve_context()`` around every solve: every step runs inside it,
     and it is left after the solve (also when the solve raises)."""
@@ -131,3 +183,18 @@ def test_solver_runs_each_solve_inside_the_propagators_solve_context():
     with pytest.raises(RuntimeError, match="step failed"):
         solver.solve(np.ones(3))
     assert prop.log == ["enter", "exit"] * 2 and not prop.inside
+
+
+def test_restore_threads_makes_apply_threads_set_its_counts_again(two_blas_threads):
+    """A configuration applied, then counts put back by restore_threads (the bench's way):
+    apply_threads of that configuration must set its BLAS counts again, not trust a record
+    of counts that are no longer in effect."""
+    from mgnn.comm import apply_threads, configure_threads, restore_threads, snapshot_threads
+    saved = snapshot_threads()
+    info = configure_threads(None, 1)
+    assert _most(two_blas_threads) == 1
+    restore_threads(saved)
+    assert _most(two_blas_threads) == 2
+    apply_threads(info)
+    assert _most(two_blas_threads) == 1
+    restore_threads(saved)
