@@ -7,12 +7,15 @@ from mgnn.bench import bench_mgrit, format_mgrit, time_samples
 
 def test_bench_mgrit_counts_the_model_work_and_reports_both_statistics(monkeypatch):
     """With the timer stubbed, every statistic is known: MGRIT samples 4, 6, 8 (the fastest 4,
-    median 6), the exact solve 2, 3, 10 and the forward sweep 1.5, 5, 9 (serial: the faster of
-    the two by each statistic: fastest 1.5, median 3)."""
+    median 6), the exact solve 2, 3, 10, its bare stacked chain 1.8, 2.5, 2.6 and the forward
+    sweep 1.5, 5, 9 (serial: the fastest candidate by each statistic: forward fastest 1.5 (the
+    sweep), median 2.5 (the chain); adjoint, which has no sweep, 1.8 and 2.5)."""
     import mgnn.bench as bench
     fake = {"mgrit": [4.0, 6.0, 8.0], "uncaptured": [7.0] * 3, "exact": [2.0, 3.0, 10.0],
-            "sweep": [1.5, 5.0, 9.0]}
-    order, calls = [], ["mgrit", "uncaptured", "exact", "sweep", "mgrit", "uncaptured", "exact"]
+            "chain": [1.8, 2.5, 2.6], "sweep": [1.5, 5.0, 9.0]}
+    order = []
+    calls = ["mgrit", "uncaptured", "exact", "chain", "sweep", "mgrit", "uncaptured", "exact",
+             "chain"]
 
     def samples(fn, repeats=7, warmup=2, min_time=0.05):
         fn()  # the real call runs once (the solvers must work), its time is replaced
@@ -46,10 +49,10 @@ def test_bench_mgrit_counts_the_model_work_and_reports_both_statistics(monkeypat
         assert r["evals"] == r["model_evals"] and r["captured"] and r["stacked"]
         assert (r["mgrit_s"], r["mgrit_median_s"]) == (4.0, 6.0)
     fwd, adj = rows
-    assert (fwd["serial_s"], fwd["serial_median_s"]) == (1.5, 3.0)
-    assert (adj["serial_s"], adj["serial_median_s"]) == (2.0, 3.0)  # no sweep for the adjoint
+    assert (fwd["serial_s"], fwd["serial_median_s"]) == (1.5, 2.5)
+    assert (adj["serial_s"], adj["serial_median_s"]) == (1.8, 2.5)  # no sweep for the adjoint
     assert np.isclose(fwd["cost_model_ratio"], 4.0 * 32 / (fwd["evals"] * 1.5))
-    assert np.isclose(adj["cost_model_ratio_median"], 6.0 * 32 / (adj["evals"] * 3.0))
+    assert np.isclose(adj["cost_model_ratio_median"], 6.0 * 32 / (adj["evals"] * 2.5))
     text = format_mgrit(rows)
     assert text.count("medians:") == 2 and "target cost_model_ratio <= 1.1" in text
 
