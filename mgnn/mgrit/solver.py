@@ -684,7 +684,7 @@ class MGRITSolver:
         U = self._level0_store(eng, L0, u0)
         c_first = -(-L0.a // o.cf) * o.cf
         if eng.stacked and initial_guess is None:  # the C-points' zero guess in one assignment
-            if c_first < L0.b:
+            if c_first < L0.b and len(self.sizes) > 1:  # (sequential: no point read unwritten)
                 U[c_first - L0.a + 1:L0.b - L0.a + 1:o.cf] = 0
             if c_first == 0:
                 eng.set(U, 1, u0, copy=False)

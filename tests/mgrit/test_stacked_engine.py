@@ -147,3 +147,23 @@ def test_coarsest_option_errors():
         MGRITSolver(prop, 8, MGRITOptions(cf=2, max_levels=2), coarsest="fast")
     with pytest.raises(ValueError, match=r"coarse_replica\(level\)"):
         MGRITSolver(prop, 8, MGRITOptions(cf=2, max_levels=2), coarsest="redundant")
+
+
+def test_sequential_solve_on_a_reused_store_reads_no_stale_point(rng):
+    """A sequential solve (max_levels=1) leaves its C-points unzeroed (every point is written
+    before it is read): on a reused store holding another solve's states -- poisoned with NaN
+    here -- it still equals a fresh solve's stepping, point for point."""
+    n = 13
+    prop = Stacked(TanhResNet(rng.standard_normal((n, 3, 3)), rng.standard_normal((n, 3)), 0.1))
+    solver = MGRITSolver(prop, n, MGRITOptions(cf=2, max_levels=1), reuse_states=True)
+    solver.solve(np.ones(3))
+    solver._states[2:] = np.nan
+    u0 = np.full(3, -0.5)
+    res = solver.solve(u0)
+    fresh = MGRITSolver(prop, n, MGRITOptions(cf=2, max_levels=1)).solve(u0)
+    for a, b in zip(res.states, fresh.states):
+        np.testing.assert_array_equal(a, b)
+    u = u0
+    for k in range(n):  # and the plain recursion
+        u = prop.step(u, k, k + 1, 0)
+        np.testing.assert_array_equal(res.states[k + 1], u)
