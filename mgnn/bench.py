@@ -446,7 +446,7 @@ def _bench_mgrit(n_layers, width, batch, cf, levels, nrelax, cycles, backend, dt
         origin, stride = exact.engine._origin(0)
         chain = np.array([[2, n_layers]], dtype=np.int64)
 
-        def bare_chain(exact=exact, chain=chain, origin=origin, stride=stride):
+        def bare_chain():
             with exact._solve_context():  # the BLAS setting the solves run under
                 exact.prop.advance(exact._states, None, chain, origin, stride, 0)
         exact._states[2:] = 0
