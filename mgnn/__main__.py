@@ -146,6 +146,9 @@ def _bench_parser(sub):
     g.add_argument("--layers", "--n-layers", dest="n_layers", type=int, default=256, metavar="N",
                    help="residual layers N (default 256)")
     g.add_argument("--width", type=int, default=64, help="state width (default 64)")
+    g.add_argument("--activation", choices=["tanh", "relu"], default=None,
+                   help="scaling --model dense: sigma of the opening and residual layers "
+                        "(default tanh; with --dtype: the dense network, default float64)")
     g.add_argument("--batch-size", "--batch", dest="batch", type=int, default=64, metavar="B",
                    help="batch size (default 64)")
     g.add_argument("--levels", type=int, default=3, help="MGRIT levels (default 3)")
@@ -166,7 +169,9 @@ def _bench_parser(sub):
     g.add_argument("--costs", default=None, metavar="PATH",
                    help="cost table JSON: calibrate writes it, predict reads it (default "
                         "results/costs-<model>-<dtype>.json; predict calibrates it when missing)")
-    g.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    g.add_argument("--dtype", choices=["float32", "float64"], default=None,
+                   help="calibrate/predict: default float32; scaling --model dense: default "
+                        "float64")
     g.add_argument("--in-features", type=int, default=None,
                    help="dense: input features (default the width)")
     g.add_argument("--network", choices=["calibrated", "shared", "ib-hdr", "nvlink"],
@@ -639,6 +644,9 @@ def cmd_bench(args):
     """Run ``bench``; returns the list of results."""
     from .bench import bench_mgrit, format_mgrit, format_results, run_kernels
     if args.suite in ("calibrate", "predict"):
+        if getattr(args, "activation", None) is not None:
+            raise ValueError(f"bench {args.suite} --activation {args.activation}: the cost "
+                             "tables are of the tanh networks (--activation is for scaling)")
         from .predict import main
         return main(args)
     if args.suite == "scaling":

@@ -574,7 +574,8 @@ def config_from_args(args):
         raise ValueError("--spatial-levels: spatial coarsening needs --model conv")
     return default_config(model=args.model, n_layers=args.n_layers, width=args.width,
                           in_features=args.in_features, channels=args.channels or 8,
-                          batch=args.batch, dtype=args.dtype, levels=args.levels, cf=args.cf,
+                          batch=args.batch, dtype=args.dtype or "float32",
+                          levels=args.levels, cf=args.cf,
                           fwd_iters=args.fwd_iters, bwd_iters=args.bwd_iters,
                           coarsest=args.coarsest, spatial_levels=spatial,
                           backend=resolve_backend(getattr(args, "backend", None) or "numba"),

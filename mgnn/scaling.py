@@ -37,6 +37,10 @@ FIELDS = {
     "ranks": "MPI processes P used for the point",
     "micro_batches": "M for the pipeline (0 otherwise)",
     "n_layers": "residual layers N", "width": "state width", "batch": "batch size",
+    "dtype": "the network's dtype (dense: --dtype, default float64; conv float32; gru "
+             "float64)",
+    "activation": "sigma of the opening and the residual layers (dense: --activation, default "
+                  "tanh)",
     "levels": "MGRIT max levels", "cf": "coarsening factor",
     "fwd_iters": "forward MGRIT cycles", "bwd_iters": "adjoint MGRIT cycles",
     "time_s": "median wall time of one training step (loss and gradient), ranks synchronised",
@@ -87,7 +91,7 @@ CONV_IMAGE = 28
 
 def _problem(cfg):
     """(model, x, y) of a configuration: the dense ResNet (width w, N layers, inputs of size
-    w), with ``cfg['model'] == 'gru'`` a GRU over N time steps (hidden w, 4 features), with
+    w; ``cfg['dtype']`` and ``cfg['activation']``, default float64 tanh), with ``cfg['model'] == 'gru'`` a GRU over N time steps (hidden w, 4 features), with
     'conv' a float32 conv ResNet with w channels on 28 x 28 images."""
     rng = np.random.default_rng(0)
     if cfg.get("model") == "conv":
@@ -99,9 +103,10 @@ def _problem(cfg):
         model = gru_classifier(4, cfg["width"], 10, cfg["n_layers"], seed=0)
         x = rng.standard_normal((cfg["batch"], cfg["n_layers"], 4))
     else:
-        model = dense_resnet(cfg["width"], cfg["width"], 10, cfg["n_layers"], dtype="float64",
-                             seed=0)
-        x = rng.standard_normal((cfg["batch"], cfg["width"]))
+        dtype = cfg.get("dtype") or "float64"
+        model = dense_resnet(cfg["width"], cfg["width"], 10, cfg["n_layers"],
+                             activation=cfg.get("activation") or "tanh", dtype=dtype, seed=0)
+        x = rng.standard_normal((cfg["batch"], cfg["width"])).astype(dtype)
     return model, x, rng.integers(0, 10, cfg["batch"])
 
 
@@ -171,6 +176,15 @@ def _work(cfg, fwd, bwd, lp):
     return {"work_per_cycle": per_cycle, "work_per_step": total / N}
 
 
+def _config_fields(cfg, model):
+    """The configuration columns of a row (:data:`FIELDS`): sizes, MGRIT settings, and the
+    dtype and activation of ``model`` (the network :func:`_problem` built for ``cfg``)."""
+    out = {k: cfg[k] for k in ("n_layers", "width", "batch", "levels", "cf", "fwd_iters",
+                               "bwd_iters")}
+    out.update(dtype=model.dtype.name, activation=model.config.get("activation", "-"))
+    return out
+
+
 def study_point(comm, cfg, repeats):
     """Every method at one configuration on the ranks of ``comm`` (None = 1 process).
 
@@ -202,8 +216,7 @@ def study_point(comm, cfg, repeats):
     rows = [{"method": "serial", "micro_batches": 0, "key": "serial", "ranks": P,
              "time_s": serial_t, "exposed_halo_pct": 0.0, "model": cfg.get("model", "dense"),
              "spatial": spatial, "work_per_step": 3.0,
-             **{k: cfg[k] for k in ("n_layers", "width", "batch", "levels", "cf",
-                                    "fwd_iters", "bwd_iters")}}]
+             **_config_fields(cfg, model)}]
     for name, obj in runs.items():
         t = _time_step(obj, x, y, comm, repeats)
         tim = obj.stats.get("timings", {})
@@ -224,8 +237,7 @@ def study_point(comm, cfg, repeats):
                      else 0, "key": name, "ranks": P, "time_s": t, "exposed_halo_pct": exposed,
                      **phases,
                      "model": cfg.get("model", "dense"),
-                     **{k: cfg[k] for k in ("n_layers", "width", "batch", "levels", "cf",
-                                            "fwd_iters", "bwd_iters")}})
+                     **_config_fields(cfg, model)})
     t_step, t_msg = _calibrate(model, x, comm)
     models = _models(cfg, P, t_step, t_msg, runs["mgrit-spatial"].level_cost
                      if "mgrit-spatial" in runs else None)
@@ -477,7 +489,8 @@ def main(args, log=print):
     ranks = [int(p) for p in args.ranks.split(",")]
     model = getattr(args, "model", "dense")
     spatial = _spatial(getattr(args, "spatial_levels", None), model)
-    base = dict(model=model, n_layers=args.n_layers,
+    dtype, activation = _dense_settings(args, model)
+    base = dict(model=model, n_layers=args.n_layers, dtype=dtype, activation=activation,
                 width=(args.channels or 4) if model == "conv" else args.width, spatial=spatial,
                 batch=args.batch, levels=args.levels,
                 cf=args.cf, fwd_iters=args.fwd_iters, bwd_iters=args.bwd_iters,
@@ -521,6 +534,19 @@ def main(args, log=print):
     log("wrote " + ", ".join([os.path.join(args.out, "scaling.csv"),
                               os.path.join(args.out, "scaling.json")] + files))
     return rows
+
+
+def _dense_settings(args, model):
+    """(dtype, activation) of ``bench scaling``'s --dtype and --activation: the dense ResNet's
+    (default float64 tanh); other models have their own, and naming them is a ValueError."""
+    dtype, activation = getattr(args, "dtype", None), getattr(args, "activation", None)
+    if model != "dense":
+        for flag, v in (("--dtype", dtype), ("--activation", activation)):
+            if v is not None:
+                raise ValueError(f"bench scaling {flag} {v} needs --model dense, got --model "
+                                 f"{model}")
+        return None, None
+    return dtype or "float64", activation or "tanh"
 
 
 def _spatial(text, model):

@@ -117,6 +117,18 @@ def test_bench_bad_size_is_one_line(capsys):
     assert capsys.readouterr().err == "mgnn: error: --layers must be >= 1, got 0\n"
 
 
+@pytest.mark.parametrize("args, message", [
+    (["bench", "predict", "--activation", "relu"],
+     "bench predict --activation relu: the cost tables are of the tanh networks"),
+    (["bench", "scaling", "--model", "conv", "--dtype", "float64"],
+     "bench scaling --dtype float64 needs --model dense, got --model conv"),
+])
+def test_bench_dense_only_flags_are_one_line(args, message, capsys, no_kernels):
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mgnn: error: " + message) and err.count("\n") == 1, err
+
+
 def test_divergence_names_epoch_and_batch(monkeypatch):
     m = mgnn.dense_resnet(4, 4, 3, 4, dtype="float64", seed=0)
     lp = LayerParallel(m, backend="numpy")

@@ -118,3 +118,33 @@ def test_conv_study_point_compares_spatial_coarsening_in_fine_step_equivalents()
         scaling._spatial("0", "dense")
     with pytest.raises(ValueError, match="comma-separated ints"):
         scaling._spatial("0,x", "conv")
+
+
+def test_dense_study_point_takes_the_dtype_and_activation():
+    """--dtype float32 --activation relu reach the dense network of every row (the issue's
+    configuration), its default stays float64 tanh, and other models refuse them by name."""
+    import types
+
+    import numpy as np
+
+    cfg = dict(model="dense", n_layers=8, width=4, batch=4, levels=2, cf=2, fwd_iters=1,
+               bwd_iters=1, micro=[2], dtype="float32", activation="relu")
+    model, x, _ = scaling._problem(cfg)
+    assert model.dtype == np.float32 and x.dtype == np.float32
+    assert model.config["activation"] == "relu"
+    rows = scaling.study_point(None, cfg, repeats=1)
+    assert {r["key"] for r in rows} == {"serial", "pipeline-2", "mgrit", "mgrit-nooverlap"}
+    assert all((r["dtype"], r["activation"]) == ("float32", "relu") for r in rows), rows
+    default = scaling._problem(dict(cfg, dtype=None, activation=None))[0]
+    assert (default.dtype, default.config["activation"]) == (np.float64, "tanh")
+
+    args = types.SimpleNamespace(dtype=None, activation=None)
+    assert scaling._dense_settings(args, "dense") == ("float64", "tanh")
+    assert scaling._dense_settings(args, "conv") == (None, None)
+    args = types.SimpleNamespace(dtype="float32", activation="relu")
+    assert scaling._dense_settings(args, "dense") == ("float32", "relu")
+    with pytest.raises(ValueError, match="--dtype float32 needs --model dense, got --model gru"):
+        scaling._dense_settings(args, "gru")
+    args = types.SimpleNamespace(dtype=None, activation="relu")
+    with pytest.raises(ValueError, match="--activation relu needs --model dense"):
+        scaling._dense_settings(args, "conv")
