@@ -1,0 +1,47 @@
+"""scripts/torch_baseline.py: its flags, its interleaved timing, and (where PyTorch is installed,
+a benchmark environment: never a dependency) that both frameworks compute the same step."""
+import importlib.util
+import os
+
+import numpy as np
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+_spec = importlib.util.spec_from_file_location(
+    "torch_baseline", os.path.join(HERE, "..", "scripts", "torch_baseline.py"))
+tb = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(tb)
+
+
+def test_flags_are_checked(capsys):
+    args = tb.parse_args([])
+    assert (args.layers, args.width, args.batch_size, args.activation, args.dtype) == \
+        (256, 64, 128, "relu", "float32")  # the performance issue's configuration
+    for argv, message in ((["--layers", "0"], "--layers must be >= 1, got 0"),
+                          (["--batch-size", "-2"], "--batch-size must be >= 1, got -2"),
+                          (["--min-time", "0"], "--min-time must be > 0, got 0.0")):
+        with pytest.raises(SystemExit):
+            tb.parse_args(argv)
+        assert message in capsys.readouterr().err
+
+
+def test_timing_interleaves_the_candidates(monkeypatch):
+    """Rounds take one sample of every candidate in turn; fastest and median per candidate."""
+    order = []
+    clock = iter(np.arange(0.0, 1000.0, 0.5))
+    monkeypatch.setattr(tb.time, "perf_counter", lambda: next(clock))
+    res = tb.timed({"a": lambda: order.append("a"), "b": lambda: order.append("b")},
+                   rounds=3, min_time=1.0)
+    assert order == ["a", "a", "b", "b"] + ["a", "a", "b", "b"] * 3  # warm-up, then rounds
+    assert res == {"a": (0.5, 0.5), "b": (0.5, 0.5)}  # two calls of 0.5 s per 1 s sample
+
+
+def test_pytorch_computes_mgnn_step():
+    """Loss and every gradient of a 24-layer net agree with mgnn's to round-off (float64)."""
+    torch = pytest.importorskip("torch")
+    for act in ("tanh", "relu"):
+        cfg = dict(model="dense", n_layers=24, width=6, batch=5, dtype="float64",
+                   activation=act)
+        model, x, y = tb._problem(cfg)
+        dloss, err = tb.compare(model, x, y.astype(np.int64), torch)
+        assert dloss < 1e-13 and err < 1e-12, (act, dloss, err)
