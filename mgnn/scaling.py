@@ -91,8 +91,9 @@ CONV_IMAGE = 28
 
 def _problem(cfg):
     """(model, x, y) of a configuration: the dense ResNet (width w, N layers, inputs of size
-    w; ``cfg['dtype']`` and ``cfg['activation']``, default float64 tanh), with ``cfg['model'] == 'gru'`` a GRU over N time steps (hidden w, 4 features), with
-    'conv' a float32 conv ResNet with w channels on 28 x 28 images."""
+    w; ``cfg['dtype']`` and ``cfg['activation']``, default float64 tanh), with
+    ``cfg['model'] == 'gru'`` a GRU over N time steps (hidden w, 4 features), with 'conv' a
+    float32 conv ResNet with w channels on 28 x 28 images."""
     rng = np.random.default_rng(0)
     if cfg.get("model") == "conv":
         S = CONV_IMAGE
