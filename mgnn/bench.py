@@ -374,7 +374,7 @@ class _CountingPropagator:
 
 def bench_mgrit(n_layers=256, width=64, batch=128, cf=4, levels=3, nrelax=(0, 1), cycles=2,
                 backend="numba", dtype="float32", activation="relu", skip=True, seed=0,
-                repeats=15, rounds=6, threads=1, cold=20, evict_mib=64):
+                repeats=15, rounds=6, threads=1):
     """Forward and adjoint MGRIT solves of a dense net against the cost model: time of the solve
     over (its layer evaluations x the serial sweep's time per layer evaluation), same kernels and
     run. The serial sweep: the fastest of the exact layer-by-layer solve (``max_levels=1``),
@@ -392,18 +392,10 @@ def bench_mgrit(n_layers=256, width=64, batch=128, cf=4, levels=3, nrelax=(0, 1)
     process's counts put back afterwards): 1 (default) pins BLAS and Numba to one thread, the
     issue's configuration, where the ratio measures work efficiency alone; 'auto' is what
     :class:`LayerParallel` sets by default (one BLAS thread, Numba threads on every core), so
-    MGRIT's intervals run in parallel while the serial sweep cannot.
-
-    ``cold``: also that many single calls of the replayed solve and of the serial candidates
-    with the caches evicted first (``evict_mib`` MiB written before each call; 0 skips it):
-    ``cost_model_ratio_cold`` compares MGRIT and the serial sweep with neither's working set in
-    cache. The samples above let the serial sweep keep its smaller working set (w=64: ~12 MB
-    forward, ~20 MB adjoint with sigma') in the last-level cache from call to call, which
-    MGRIT's larger one (its coarse levels' stores and right-hand sides) may not fit; the two
-    ratios side by side show how much of the excess is that."""
+    MGRIT's intervals run in parallel while the serial sweep cannot."""
     with _thread_setting(threads) as info:
         rows = _bench_mgrit(n_layers, width, batch, cf, levels, nrelax, cycles, backend, dtype,
-                            activation, skip, seed, repeats, rounds, cold, evict_mib)
+                            activation, skip, seed, repeats, rounds)
     label = f" threads={threads} (BLAS {info['blas']}, Numba {info['numba']})"
     return [dict(r, name=r["name"] + label, threads=threads, blas_threads=info["blas"],
                  numba_threads=info["numba"]) for r in rows]
@@ -423,17 +415,8 @@ def _thread_setting(threads):
         restore_threads(saved)
 
 
-def _cold_time(fn, evict):
-    """Seconds of one ``fn()`` right after writing every element of ``evict`` (an array larger
-    than the last-level cache: what ``fn`` reads then comes from memory)."""
-    evict += 1.0
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
 def _bench_mgrit(n_layers, width, batch, cf, levels, nrelax, cycles, backend, dtype, activation,
-                 skip, seed, repeats, rounds, cold, evict_mib):
+                 skip, seed, repeats, rounds):
     """:func:`bench_mgrit` under the thread setting it chose."""
     from .backend import vector_ops
     from .mgrit import MGRITOptions, MGRITSolver, cycle_work, level_sizes
@@ -491,21 +474,6 @@ def _bench_mgrit(n_layers, width, batch, cf, levels, nrelax, cycles, backend, dt
         mgrit, uncaptured, serial = stats[min]
         mgrit_median, _, serial_median = stats[np.median]
         per_eval = serial / n_layers
-        extra = {}
-        if cold:  # one call at a time, caches evicted first, candidates interleaved
-            cold_keys = [k for k in ("mgrit", "chain", "sweep") if k in runs]
-            evict = np.zeros(max(1, int(evict_mib * 2**20 // 8)))
-            cold_t = {k: [] for k in cold_keys}
-            for _ in range(cold):
-                for k in cold_keys:
-                    cold_t[k].append(_cold_time(runs[k], evict))
-            for stat, tag in ((min, ""), (np.median, "_median")):
-                m = float(stat(cold_t["mgrit"]))
-                ser = min(float(stat(cold_t[k])) for k in cold_keys if k != "mgrit")
-                extra.update({f"mgrit_cold{tag}_s": m, f"serial_cold{tag}_s": ser,
-                              f"cost_model_ratio_cold{tag}": m * n_layers / (counter.calls
-                                                                            * ser)})
-            extra["evict_mib"] = evict_mib
         out.append({"name": f"MGRIT {name} N={n_layers} w={width} B={batch} {dtype} {activation} "
                             f"cf={cf} levels={sizes} nrelax={list(nrelax)} {cycles} cycles"
                             f"{' skip' if skip else ''} {backend}",
@@ -517,8 +485,7 @@ def _bench_mgrit(n_layers, width, batch, cf, levels, nrelax, cycles, backend, dt
                     "mgrit_median_s": mgrit_median, "serial_median_s": serial_median,
                     "cost_model_ratio_median": mgrit_median * n_layers / (counter.calls
                                                                           * serial_median),
-                    "stacked": solver.engine.stacked, "target": "cost_model_ratio <= 1.1",
-                    **extra})
+                    "stacked": solver.engine.stacked, "target": "cost_model_ratio <= 1.1"})
     return out
 
 
@@ -537,12 +504,6 @@ def format_mgrit(results):
                   f"    medians: MGRIT {1e3 * r['mgrit_median_s']:8.2f} ms, serial sweep "
                   f"{1e3 * r['serial_median_s']:7.2f} ms; ratio {r['cost_model_ratio_median']:.3f}"
                   " (the fastest samples above: what the machine adds least to)"]
-        if "mgrit_cold_s" in r:
-            lines.append(
-                f"    caches evicted ({r['evict_mib']} MiB written before each call): MGRIT "
-                f"{1e3 * r['mgrit_cold_s']:8.2f} ms, serial sweep {1e3 * r['serial_cold_s']:7.2f}"
-                f" ms; ratio {r['cost_model_ratio_cold']:.3f} (medians "
-                f"{r['cost_model_ratio_cold_median']:.3f})")
     return "\n".join(lines)
 
 

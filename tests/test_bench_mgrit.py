@@ -23,17 +23,6 @@ def test_bench_mgrit_counts_the_model_work_and_reports_both_statistics(monkeypat
         order.append(kind)
         return list(fake[kind])
     monkeypatch.setattr(bench, "time_samples", samples)
-    # caches evicted: two rounds, each MGRIT, the bare chain (and, forward, the sweep) in turn
-    cold = {"mgrit": [9.0, 5.0], "chain": [3.0, 2.0], "sweep": [2.5, 4.0]}
-    cold_order = []
-    cold_calls = ["mgrit", "chain", "sweep"] * 2 + ["mgrit", "chain"] * 2
-
-    def cold_time(fn, evict):
-        assert evict.nbytes == 2**20  # evict_mib=1
-        kind = cold_calls[len(cold_order)]
-        cold_order.append(kind)
-        return cold[kind][sum(k == kind for k in cold_order[:-1]) % 2]
-    monkeypatch.setattr(bench, "_cold_time", cold_time)
     import numba
 
     from mgnn.backend.blas_threads import blas_controllers
@@ -45,15 +34,14 @@ def test_bench_mgrit_counts_the_model_work_and_reports_both_statistics(monkeypat
         for c in blas:
             c.set_num_threads(2)
         counts = numba.get_num_threads(), [c.num_threads for c in blas]
-        rows = bench_mgrit(n_layers=32, width=4, batch=2, repeats=3, rounds=1, cold=2,
-                           evict_mib=1)
+        rows = bench_mgrit(n_layers=32, width=4, batch=2, repeats=3, rounds=1)
         # the pinned run's counts put back, Numba's and every BLAS's
         assert (numba.get_num_threads(), [c.num_threads for c in blas]) == counts
     finally:
         numba.set_num_threads(numba_before)
         for c, n in zip(blas, blas_before):
             c.set_num_threads(n)
-    assert order == calls and cold_order == cold_calls
+    assert order == calls
     assert all((r["threads"], r["numba_threads"], r["blas_threads"]) == (1, 1, 1) and
                "threads=1 (BLAS 1, Numba 1)" in r["name"] for r in rows)
     assert [r["direction"] for r in rows] == ["forward", "adjoint"]
@@ -65,24 +53,8 @@ def test_bench_mgrit_counts_the_model_work_and_reports_both_statistics(monkeypat
     assert (adj["serial_s"], adj["serial_median_s"]) == (1.8, 2.5)  # no sweep for the adjoint
     assert np.isclose(fwd["cost_model_ratio"], 4.0 * 32 / (fwd["evals"] * 1.5))
     assert np.isclose(adj["cost_model_ratio_median"], 6.0 * 32 / (adj["evals"] * 2.5))
-    # cold: MGRIT fastest 5, median 7; serial the faster candidate by each statistic:
-    # forward fastest 2 (chain), median 2.5 (chain 2.5, sweep 3.25); adjoint 2 and 2.5
-    for r in rows:
-        assert (r["mgrit_cold_s"], r["mgrit_cold_median_s"]) == (5.0, 7.0)
-        assert (r["serial_cold_s"], r["serial_cold_median_s"]) == (2.0, 2.5)
-        assert np.isclose(r["cost_model_ratio_cold"], 5.0 * 32 / (r["evals"] * 2.0))
-        assert np.isclose(r["cost_model_ratio_cold_median"], 7.0 * 32 / (r["evals"] * 2.5))
-        assert r["evict_mib"] == 1
     text = format_mgrit(rows)
     assert text.count("medians:") == 2 and "target cost_model_ratio <= 1.1" in text
-    assert text.count("caches evicted (1 MiB written before each call)") == 2
-
-
-def test_cold_time_evicts_then_times_one_call():
-    import mgnn.bench as bench
-    evict, calls = np.zeros(4), []
-    t = bench._cold_time(lambda: calls.append(evict.copy()), evict)
-    assert t >= 0 and len(calls) == 1 and (calls[0] == 1).all()  # written before the call
 
 
 def test_time_samples_loops_until_each_sample_is_long_enough():
@@ -98,11 +70,9 @@ def test_bench_mgrit_auto_threads_as_layer_parallel_sets_them(monkeypatch):
     from mgnn.comm import configure_threads
     monkeypatch.setattr(bench, "time_samples", lambda fn, **kw: (fn(), [1.0])[1])
     expected = configure_threads(None, "auto")  # what the bench will choose (then put back)
-    rows = bench_mgrit(n_layers=32, width=4, batch=2, repeats=1, rounds=1, threads="auto",
-                       cold=0)
+    rows = bench_mgrit(n_layers=32, width=4, batch=2, repeats=1, rounds=1, threads="auto")
     assert [r["direction"] for r in rows] == ["forward", "adjoint"]
     for r in rows:
-        assert "mgrit_cold_s" not in r  # cold=0: no evicted samples
         assert (r["threads"], r["blas_threads"], r["numba_threads"]) == \
             ("auto", expected["blas"], expected["numba"])
         assert f"threads=auto (BLAS {expected['blas']}, Numba {expected['numba']})" in r["name"]
