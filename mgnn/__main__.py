@@ -147,8 +147,8 @@ def _bench_parser(sub):
                    help="residual layers N (default 256)")
     g.add_argument("--width", type=int, default=64, help="state width (default 64)")
     g.add_argument("--activation", choices=["tanh", "relu"], default=None,
-                   help="scaling --model dense: sigma of the opening and residual layers "
-                        "(default tanh; with --dtype: the dense network, default float64)")
+                   help="the dense network's sigma: scaling --model dense (default tanh), mgrit "
+                        "(default relu)")
     g.add_argument("--batch-size", "--batch", dest="batch", type=int, default=64, metavar="B",
                    help="batch size (default 64)")
     g.add_argument("--levels", type=int, default=3, help="MGRIT levels (default 3)")
@@ -170,8 +170,8 @@ def _bench_parser(sub):
                    help="cost table JSON: calibrate writes it, predict reads it (default "
                         "results/costs-<model>-<dtype>.json; predict calibrates it when missing)")
     g.add_argument("--dtype", choices=["float32", "float64"], default=None,
-                   help="calibrate/predict: default float32; scaling --model dense: default "
-                        "float64")
+                   help="calibrate/predict and mgrit's dense solves: default float32; scaling "
+                        "--model dense: default float64")
     g.add_argument("--in-features", type=int, default=None,
                    help="dense: input features (default the width)")
     g.add_argument("--network", choices=["calibrated", "shared", "ib-hdr", "nvlink"],
@@ -640,13 +640,20 @@ def _print_timings(comm, lp, timings, train_s, log):
     log(f"rank 0 {describe_threads(lp.threads)}")
 
 
+#: The bench suites that take --dtype and --activation (the others have their own settings).
+_DTYPE_SUITES = ("calibrate", "predict", "scaling", "mgrit")
+_ACTIVATION_SUITES = ("scaling", "mgrit")
+
+
 def cmd_bench(args):
     """Run ``bench``; returns the list of results."""
     from .bench import bench_mgrit, format_mgrit, format_results, run_kernels
+    for flag, suites in (("dtype", _DTYPE_SUITES), ("activation", _ACTIVATION_SUITES)):
+        v = getattr(args, flag, None)
+        if v is not None and args.suite not in suites:
+            raise ValueError(f"bench {args.suite} --{flag} {v}: --{flag} is for bench "
+                             f"{', '.join(suites)} only")
     if args.suite in ("calibrate", "predict"):
-        if getattr(args, "activation", None) is not None:
-            raise ValueError(f"bench {args.suite} --activation {args.activation}: the cost "
-                             "tables are of the tanh networks (--activation is for scaling)")
         from .predict import main
         return main(args)
     if args.suite == "scaling":
@@ -673,8 +680,9 @@ def cmd_bench(args):
         from .bench_spatial import format_mgrit_comparison, mgrit_comparison
         # pinned to one thread (work efficiency) and as LayerParallel sets threads by default
         results = [r for threads in (1, "auto") for w in (16, 64)
-                   for r in bench_mgrit(n_layers=64 if args.quick else 256, width=w,
-                                        threads=threads)]
+                   for r in bench_mgrit(n_layers=64 if args.quick else args.n_layers, width=w,
+                                        dtype=args.dtype or "float32",
+                                        activation=args.activation or "relu", threads=threads)]
         text = format_mgrit(results)
         # conv ResNets with and without spatial coarsening: work in fine-step equivalents
         for size, n in (((16, 16), 16), ((8, 8, 8), 8)) if args.quick else \

@@ -520,7 +520,8 @@ def main(args, log=print):
     rank = comm.Get_rank()
     studies = plan(base, ranks, args.quick, sweeps)
     if rank == 0:
-        log(f"scaling study: {len(studies)} configurations, ranks {ranks}, "
+        net = f"dense {dtype} {activation}" if model == "dense" else model
+        log(f"scaling study ({net}): {len(studies)} configurations, ranks {ranks}, "
             f"{size} processes on {os.cpu_count()} cores, repeats {args.repeats}")
     rows = run_study(comm, ranks, studies, base, args.repeats, log=log if rank == 0 else print)
     if rank != 0:

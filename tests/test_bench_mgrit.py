@@ -76,3 +76,24 @@ def test_bench_mgrit_auto_threads_as_layer_parallel_sets_them(monkeypatch):
         assert (r["threads"], r["blas_threads"], r["numba_threads"]) == \
             ("auto", expected["blas"], expected["numba"])
         assert f"threads=auto (BLAS {expected['blas']}, Numba {expected['numba']})" in r["name"]
+
+
+def test_cli_passes_layers_dtype_and_activation_to_the_dense_solves(monkeypatch, capsys):
+    """``bench mgrit --layers 32 --dtype float64 --activation tanh`` reaches every dense case
+    (w = 16 and 64, threads 1 and auto); without them: N = 256, float32 relu."""
+    import mgnn.bench as bench
+    import mgnn.bench_spatial as bench_spatial
+    from mgnn.__main__ import main
+    seen = []
+    monkeypatch.setattr(bench, "bench_mgrit", lambda **kw: seen.append(kw) or [])
+    monkeypatch.setattr(bench_spatial, "mgrit_comparison", lambda **kw: [])
+    monkeypatch.setattr(bench_spatial, "format_mgrit_comparison", lambda rows: "")
+    assert main(["bench", "mgrit", "--layers", "32", "--dtype", "float64",
+                 "--activation", "tanh"]) == 0
+    assert [(k["n_layers"], k["dtype"], k["activation"], k["width"], k["threads"])
+            for k in seen] == [(32, "float64", "tanh", w, t)
+                               for t in (1, "auto") for w in (16, 64)]
+    seen.clear()
+    assert main(["bench", "mgrit"]) == 0
+    assert {(k["n_layers"], k["dtype"], k["activation"]) for k in seen} == \
+        {(256, "float32", "relu")}

@@ -119,7 +119,10 @@ def test_bench_bad_size_is_one_line(capsys):
 
 @pytest.mark.parametrize("args, message", [
     (["bench", "predict", "--activation", "relu"],
-     "bench predict --activation relu: the cost tables are of the tanh networks"),
+     "bench predict --activation relu: --activation is for bench scaling, mgrit only"),
+    (["bench", "kernels", "--dtype", "float64"],
+     "bench kernels --dtype float64: --dtype is for bench calibrate, predict, scaling, mgrit "
+     "only"),
     (["bench", "scaling", "--model", "conv", "--dtype", "float64"],
      "bench scaling --dtype float64 needs --model dense, got --model conv"),
 ])
