@@ -20,13 +20,13 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
+from mgnn.bench import time_samples  # noqa: E402
 from mgnn.network import LayerParallel  # noqa: E402
 from mgnn.scaling import _problem  # noqa: E402
 
@@ -94,27 +94,14 @@ def compare(model, x, y, torch):
     return abs(out.item() - float(loss)) / max(abs(float(loss)), 1e-300), float(err)
 
 
-def sample(fn, min_time):
-    """Seconds per call of ``fn`` over one sample of at least ``min_time`` seconds."""
-    calls, t0 = 0, time.perf_counter()
-    while True:
-        fn()
-        calls += 1
-        t = time.perf_counter() - t0
-        if t >= min_time:
-            return t / calls
-
-
 def timed(candidates, rounds, min_time):
-    """{name: (fastest, median)} seconds per call: ``rounds`` rounds, each one sample of every
-    candidate in turn (interleaved, so a slow phase of the machine hits all alike)."""
-    for fn in candidates.values():
-        fn()
-        fn()
+    """{name: (fastest, median)} seconds per call: ``rounds`` rounds, each one sample (a loop of
+    at least ``min_time`` seconds, :func:`mgnn.bench.time_samples`) of every candidate in turn
+    (interleaved, so a slow phase of the machine hits all alike); two warm-up calls each first."""
     times = {k: [] for k in candidates}
-    for _ in range(rounds):
+    for r in range(rounds):
         for k, fn in candidates.items():
-            times[k].append(sample(fn, min_time))
+            times[k] += time_samples(fn, repeats=1, warmup=2 if r == 0 else 0, min_time=min_time)
     return {k: (min(v), float(np.median(v))) for k, v in times.items()}
 
 

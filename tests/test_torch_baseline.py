@@ -26,14 +26,20 @@ def test_flags_are_checked(capsys):
 
 
 def test_timing_interleaves_the_candidates(monkeypatch):
-    """Rounds take one sample of every candidate in turn; fastest and median per candidate."""
+    """Rounds take one sample of every candidate in turn (warm-up calls in the first round
+    only); fastest and median per candidate."""
     order = []
-    clock = iter(np.arange(0.0, 1000.0, 0.5))
-    monkeypatch.setattr(tb.time, "perf_counter", lambda: next(clock))
-    res = tb.timed({"a": lambda: order.append("a"), "b": lambda: order.append("b")},
-                   rounds=3, min_time=1.0)
-    assert order == ["a", "a", "b", "b"] + ["a", "a", "b", "b"] * 3  # warm-up, then rounds
-    assert res == {"a": (0.5, 0.5), "b": (0.5, 0.5)}  # two calls of 0.5 s per 1 s sample
+    values = {"a": iter([3.0, 1.0, 2.0]), "b": iter([0.5, 0.5, 0.5])}
+
+    def samples(fn, repeats, warmup, min_time):
+        assert (repeats, min_time) == (1, 1.0)
+        name = fn()
+        order.append((name, warmup))
+        return [next(values[name])]
+    monkeypatch.setattr(tb, "time_samples", samples)
+    res = tb.timed({"a": lambda: "a", "b": lambda: "b"}, rounds=3, min_time=1.0)
+    assert order == [("a", 2), ("b", 2)] + [("a", 0), ("b", 0)] * 2
+    assert res == {"a": (1.0, 2.0), "b": (0.5, 0.5)}
 
 
 def test_pytorch_computes_mgnn_step():
