@@ -120,6 +120,71 @@ def bench_conv_kernel(channels=8, batch=32, size=28, dtype="float32", seed=0):
             "target": "speed-up over the reference (informational)"}
 
 
+#: Shapes of the per-kernel conv rows of ``bench kernels``: (channels, batch, spatial size, d).
+CONV_PARTS = ((8, 32, 28, 2), (16, 32, 28, 2), (32, 32, 28, 2), (8, 8, 16, 3), (16, 8, 16, 3))
+
+
+def _torch_conv_parts(u, K, s):
+    """{part: function} of PyTorch's forward convolution, input gradient and kernel gradient at
+    the shapes of u (B, C, *spatial), K, s (the output cotangent); None without PyTorch."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    tu, tK, ts = (torch.from_numpy(np.ascontiguousarray(a)) for a in (u, K, s))
+    tb = torch.zeros(K.shape[0], dtype=tu.dtype)
+    nd = u.ndim - 2
+    conv = (torch.nn.functional.conv2d, torch.nn.functional.conv3d)[nd - 2]
+    grad_in = (torch.nn.grad.conv2d_input, torch.nn.grad.conv3d_input)[nd - 2]
+    grad_w = (torch.nn.grad.conv2d_weight, torch.nn.grad.conv3d_weight)[nd - 2]
+    torch.set_num_threads(max(1, numba_threads()))
+    return {"forward": lambda: conv(tu, tK, tb, padding=1),
+            "input vjp": lambda: grad_in(tu.shape, tK, ts, padding=1),
+            "kernel grad": lambda: grad_w(tu, tK.shape, ts, padding=1)}
+
+
+def numba_threads():
+    """Numba's thread count now (PyTorch is timed with as many)."""
+    import numba
+    return numba.get_num_threads()
+
+
+def bench_conv_parts(channels=16, batch=32, size=28, nd=2, dtype="float32", seed=0):
+    """One row per conv kernel (forward with the relu + residual + derivative epilogue, input
+    vjp, kernel + bias gradient) of the Numba backend at C -> C, ``size``^nd: time, GFLOP/s
+    (2 B C^2 3^nd size^nd per kernel) and, when PyTorch is importable, its time for the same
+    convolution (forward / conv*_input / conv*_weight, as many threads) as the baseline
+    (ratio = PyTorch's time / mgnn's: > 1 is mgnn faster)."""
+    dt = np.dtype(dtype)
+    rng = np.random.default_rng(seed)
+    shape = (batch, channels) + (size,) * nd
+    u = rng.standard_normal(shape).astype(dt)
+    K = (rng.standard_normal((channels, channels) + (3,) * nd) / np.sqrt(3 ** nd * channels)
+         ).astype(dt)
+    b = rng.standard_normal(channels).astype(dt)
+    lam = rng.standard_normal(shape).astype(dt)
+    h = dt.type(0.1)
+    bk = get_backend("numba")
+    p = "conv" if nd == 2 else "conv3d"
+    _, d = getattr(bk, p + "_forward_deriv")(u, K, b, h, 1, True)
+    ours = {"forward": lambda: getattr(bk, p + "_forward_deriv")(u, K, b, h, 1, True),
+            "input vjp": lambda: getattr(bk, p + "_vjp_input")(lam, d, K, h, True),
+            "kernel grad": lambda: getattr(bk, p + "_vjp_params")(lam, d, u, h)}
+    theirs = _torch_conv_parts(u, K, d * lam)
+    flops = 2.0 * batch * size ** nd * channels * channels * 3 ** nd
+    rows = []
+    for part, fn in ours.items():
+        t = kernel_time(fn)
+        row = {"name": f"{p} {part} C={channels} B={batch} {size}^{nd} {dt.name}",
+               "time_us": 1e6 * t, "gflops": flops / t / 1e9,
+               "target": ">= 1 against PyTorch (oneDNN) at the same threads"}
+        if theirs is not None:
+            tt = kernel_time(theirs[part])
+            row.update(baseline=f"pytorch ({flops / tt / 1e9:.0f} GFLOP/s)", ratio=tt / t)
+        rows.append(row)
+    return rows
+
+
 #: Shape of the ``bench kernels`` conv3d case (issue 14): C=8 channels, 16^3 volumes, B=8.
 CONV3D_STEP = dict(channels=8, batch=8, size=16)
 _TAPS3 = tuple((dz, dy, dx) for dz in range(3) for dy in range(3) for dx in range(3))
@@ -327,6 +392,8 @@ def run_kernels(quick=False):
             bench_layer_overhead(backend="numpy", **LAYER_OVERHEAD)]
     if not quick:
         out.append(bench_conv_kernel())
+        for C, B, S, nd in CONV_PARTS:
+            out += bench_conv_parts(C, B, S, nd)
         out.append(bench_conv3d_kernel(**CONV3D_STEP))
         out.append(bench_bn_conv())
         out += bench_gru_step()

@@ -357,8 +357,9 @@ class ForwardPropagator:
 
     def solve_context(self):
         """What a solve runs in: one BLAS thread while Numba's threads run the chains of a
-        stacked dense solve (:func:`mgnn.backend.blas_threads.solve_blas_context`)."""
-        return solve_blas_context(self.bk, self.stacked and isinstance(self.kind, DenseStep))
+        stacked dense or conv solve (:func:`mgnn.backend.blas_threads.solve_blas_context`)."""
+        stacked_blas = self.stacked and isinstance(self.kind, (DenseStep, ConvStep))
+        return solve_blas_context(self.bk, stacked_blas)
 
     def begin_graph(self):
         """Capture the backend's launches that follow into a graph (a GPU backend)."""

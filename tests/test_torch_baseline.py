@@ -51,3 +51,39 @@ def test_pytorch_computes_mgnn_step():
         model, x, y = tb._problem(cfg)
         dloss, err = tb.compare(model, x, y.astype(np.int64), torch)
         assert dloss < 1e-13 and err < 1e-12, (act, dloss, err)
+
+
+def test_conv_flags_are_checked(capsys):
+    args = tb.parse_args(["--model", "conv", "--channels", "8", "--threads", "2,1,2"])
+    assert (args.model, args.channels, args.image, args.threads) == ("conv", 8, 28, [1, 2])
+    for argv, message in ((["--conv3d"], "--conv3d and --batch-norm are for --model conv"),
+                          (["--model", "conv", "--threads", "0"], "--threads must be >= 1"),
+                          (["--model", "conv", "--threads", "a"], "comma-separated integers"),
+                          (["--model", "conv", "--channels", "0"], "--channels must be >= 1")):
+        with pytest.raises(SystemExit):
+            tb.parse_args(argv)
+        assert message in capsys.readouterr().err
+
+
+def test_conv_network_is_the_requested_model():
+    """--model conv builds mgnn's conv ResNet of the flags (2D, 3D, batch norm)."""
+    for argv, spatial, bn in ((["--image", "6"], (6, 6), False),
+                              (["--image", "4", "--conv3d"], (4, 4, 4), False),
+                              (["--image", "6", "--batch-norm"], (6, 6), True)):
+        args = tb.parse_args(["--model", "conv", "--channels", "3", "--layers", "2",
+                              "--batch-size", "2", "--dtype", "float64"] + argv)
+        model, x, y, cfg, desc = tb._network(args)
+        assert x.shape == (2, 1) + spatial and y.dtype == np.int64
+        assert model.params["steps.weight"].shape == (2, 3, 3) + (3,) * len(spatial)
+        assert ("steps.bn_weight" in model.params) == bn and ("batch norm" in desc) == bn
+
+
+def test_pytorch_computes_mgnn_conv_step():
+    """Conv ResNets (2D, 2D with batch norm, 3D): loss and gradients agree (float64)."""
+    torch = pytest.importorskip("torch")
+    for extra in ([], ["--batch-norm"], ["--conv3d"]):
+        args = tb.parse_args(["--model", "conv", "--channels", "3", "--layers", "3", "--image",
+                              "5", "--batch-size", "4", "--dtype", "float64"] + extra)
+        model, x, y, _, _ = tb._network(args)
+        dloss, err = tb.compare(model, x, y, torch)
+        assert dloss < 1e-13 and err < 1e-10, (extra, dloss, err)
