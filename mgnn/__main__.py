@@ -683,6 +683,13 @@ def cmd_bench(args):
                    for r in bench_mgrit(n_layers=64 if args.quick else args.n_layers, width=w,
                                         dtype=args.dtype or "float32",
                                         activation=args.activation or "relu", threads=threads)]
+        # the conv ResNet's solves (28 x 28, B 32, C 8 and 16; fewer samples: each is ms long)
+        results += [r for threads in (1, "auto") for c in (8, 16)
+                    for r in bench_mgrit(n_layers=16 if args.quick else 32, width=c, batch=32,
+                                         model="conv", image=12 if args.quick else 28,
+                                         dtype=args.dtype or "float32",
+                                         activation=args.activation or "relu",
+                                         threads=threads, repeats=3, rounds=3)]
         text = format_mgrit(results)
         # conv ResNets with and without spatial coarsening: work in fine-step equivalents
         for size, n in (((16, 16), 16), ((8, 8, 8), 8)) if args.quick else \

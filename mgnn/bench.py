@@ -441,8 +441,9 @@ class _CountingPropagator:
 
 def bench_mgrit(n_layers=256, width=64, batch=128, cf=4, levels=3, nrelax=(0, 1), cycles=2,
                 backend="numba", dtype="float32", activation="relu", skip=True, seed=0,
-                repeats=15, rounds=6, threads=1):
-    """Forward and adjoint MGRIT solves of a dense net against the cost model: time of the solve
+                repeats=15, rounds=6, threads=1, model="dense", image=28):
+    """Forward and adjoint MGRIT solves of a dense net (``model='conv'``: a conv ResNet with
+    ``width`` channels on ``image`` x ``image`` states) against the cost model: time of the solve
     over (its layer evaluations x the serial sweep's time per layer evaluation), same kernels and
     run. The serial sweep: the fastest of the exact layer-by-layer solve (``max_levels=1``),
     its one stacked kernel call of N steps without the solver around it (``chain``: the
@@ -462,7 +463,7 @@ def bench_mgrit(n_layers=256, width=64, batch=128, cf=4, levels=3, nrelax=(0, 1)
     MGRIT's intervals run in parallel while the serial sweep cannot."""
     with _thread_setting(threads) as info:
         rows = _bench_mgrit(n_layers, width, batch, cf, levels, nrelax, cycles, backend, dtype,
-                            activation, skip, seed, repeats, rounds)
+                            activation, skip, seed, repeats, rounds, model, image)
     label = f" threads={threads} (BLAS {info['blas']}, Numba {info['numba']})"
     return [dict(r, name=r["name"] + label, threads=threads, blas_threads=info["blas"],
                  numba_threads=info["numba"]) for r in rows]
@@ -483,15 +484,22 @@ def _thread_setting(threads):
 
 
 def _bench_mgrit(n_layers, width, batch, cf, levels, nrelax, cycles, backend, dtype, activation,
-                 skip, seed, repeats, rounds):
+                 skip, seed, repeats, rounds, kind="dense", image=28):
     """:func:`bench_mgrit` under the thread setting it chose."""
     from .backend import vector_ops
     from .mgrit import MGRITOptions, MGRITSolver, cycle_work, level_sizes
-    from .network import AdjointPropagator, ForwardPropagator
-    model = dense_resnet(width, width, 10, n_layers, activation=activation, dtype=dtype, seed=seed)
+    from .network import AdjointPropagator, ForwardPropagator, conv_resnet
+    if kind == "conv":
+        model = conv_resnet(1, width, (image, image), 10, n_layers, activation=activation,
+                            dtype=dtype, seed=seed)
+        shape, label = (batch, width, image, image), f"conv C={width} {image}x{image}"
+    else:
+        model = dense_resnet(width, width, 10, n_layers, activation=activation, dtype=dtype,
+                             seed=seed)
+        shape, label = (batch, width), f"w={width}"
     bk, ops = get_backend(backend), vector_ops(backend)
     rng = np.random.default_rng(seed)
-    u0 = rng.standard_normal((batch, width)).astype(model.dtype)
+    u0 = rng.standard_normal(shape).astype(model.dtype)
     opts = MGRITOptions(cf=cf, max_levels=levels, nrelax=list(nrelax), tol=0.0, max_iter=cycles,
                         skip_downcycle=skip)
     sizes = level_sizes(n_layers, cf, levels, opts.min_coarse)
@@ -541,10 +549,11 @@ def _bench_mgrit(n_layers, width, batch, cf, levels, nrelax, cycles, backend, dt
         mgrit, uncaptured, serial = stats[min]
         mgrit_median, _, serial_median = stats[np.median]
         per_eval = serial / n_layers
-        out.append({"name": f"MGRIT {name} N={n_layers} w={width} B={batch} {dtype} {activation} "
+        out.append({"name": f"MGRIT {name} N={n_layers} {label} B={batch} {dtype} {activation} "
                             f"cf={cf} levels={sizes} nrelax={list(nrelax)} {cycles} cycles"
                             f"{' skip' if skip else ''} {backend}",
-                    "direction": name, "width": width, "mgrit_s": mgrit, "serial_s": serial,
+                    "direction": name, "model": kind, "width": width, "mgrit_s": mgrit,
+                    "serial_s": serial,
                     "uncaptured_s": uncaptured, "captured": bool(solver._tapes),
                     "evals": counter.calls, "model_evals": model_evals,
                     "work_ratio": counter.calls / n_layers, "time_ratio": mgrit / serial,

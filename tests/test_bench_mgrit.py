@@ -90,10 +90,25 @@ def test_cli_passes_layers_dtype_and_activation_to_the_dense_solves(monkeypatch,
     monkeypatch.setattr(bench_spatial, "format_mgrit_comparison", lambda rows: "")
     assert main(["bench", "mgrit", "--layers", "32", "--dtype", "float64",
                  "--activation", "tanh"]) == 0
+    dense = [k for k in seen if k.get("model", "dense") == "dense"]
     assert [(k["n_layers"], k["dtype"], k["activation"], k["width"], k["threads"])
-            for k in seen] == [(32, "float64", "tanh", w, t)
-                               for t in (1, "auto") for w in (16, 64)]
+            for k in dense] == [(32, "float64", "tanh", w, t)
+                                for t in (1, "auto") for w in (16, 64)]
+    conv = [(k["width"], k["batch"], k["image"], k["dtype"], k["activation"], k["threads"])
+            for k in seen if k.get("model") == "conv"]  # the conv case: C 8, 16 at 28 x 28
+    assert conv == [(c, 32, 28, "float64", "tanh", t) for t in (1, "auto") for c in (8, 16)]
     seen.clear()
     assert main(["bench", "mgrit"]) == 0
-    assert {(k["n_layers"], k["dtype"], k["activation"]) for k in seen} == \
-        {(256, "float32", "relu")}
+    assert {(k["n_layers"], k["dtype"], k["activation"]) for k in seen
+            if k.get("model", "dense") == "dense"} == {(256, "float32", "relu")}
+
+
+def test_bench_mgrit_conv_case_counts_its_work():
+    """The conv case solves a conv ResNet (forward and adjoint) and reports its cost-model
+    ratio like the dense one."""
+    rows = bench_mgrit(n_layers=8, width=3, batch=2, image=5, model="conv", repeats=1,
+                       rounds=1, cf=2, levels=2)
+    assert [r["direction"] for r in rows] == ["forward", "adjoint"]
+    for r in rows:
+        assert r["model"] == "conv" and "conv C=3 5x5" in r["name"]
+        assert r["evals"] > 8 and r["cost_model_ratio"] > 0 and r["stacked"]

@@ -489,17 +489,18 @@ def _kflip(Kmat, T):
 @njit(cache=True, inline="always")
 def _fwd_row(zr, xr, yr, Dr, bc, h, act, residual):
     """One output row: zr += bc, then yr = [xr +] h sigma(zr) and Dr = sigma'(zr), each when
-    non-empty (the expressions of the chain epilogue, so the bits agree)."""
+    non-empty. x + h sigma is evaluated in float64 and rounded once, as the chain epilogue
+    (:func:`_conv_out`) does: sigma's type may differ between a constant and a variable act
+    (branch pruning), float64 arithmetic on its value does not, so the bits agree."""
     for xx in range(zr.size):
         zr[xx] = zr[xx] + bc
     if yr.size:
         if residual:
             for xx in range(zr.size):
-                yr[xx] = xr[xx] + h * _sig(zr[xx], act)
+                yr[xx] = xr[xx] + h * np.float64(_sig(zr[xx], act))
         else:
             for xx in range(zr.size):
-                v = h * _sig(zr[xx], act)
-                yr[xx] = v
+                yr[xx] = h * np.float64(_sig(zr[xx], act))
     if Dr.size:
         for xx in range(zr.size):
             Dr[xx] = _dsig(zr[xx], act)
@@ -956,7 +957,7 @@ def _conv_out(x, bi, c, r, xx, h, zz, out, u, g, has_g, mode, act, adjoint):
     if adjoint:
         out[bi, c, r, xx] = x[bi, c, r, xx] + h * zz
     else:
-        out[bi, c, r, xx] = x[bi, c, r, xx] + h * _sig(zz, act)
+        out[bi, c, r, xx] = x[bi, c, r, xx] + h * np.float64(_sig(zz, act))
     out[bi, c, r, xx] = _combine(out[bi, c, r, xx], old, u[bi, c, r, xx], g[bi, c, r, xx],
                                  has_g, mode)
 
