@@ -13,6 +13,7 @@ import numpy as np
 import numba
 from numba import prange
 from numba.extending import overload as _overload
+from numba.np.linalg import ensure_blas as _ensure_blas
 
 
 def njit(*args, **options):
@@ -355,18 +356,58 @@ for _f, _ref in ((dense_forward, "dense_forward"), (dense_forward_deriv, "dense_
 # non-negative loop counter). The run between two rows crosses only border positions, which are
 # computed and dropped. A chunk of rows is unfolded into col (C T, lc) by T contiguous copies per
 # channel (im2col of a flat layout: no index arithmetic per element) and multiplied by the weight
-# matrix in one BLAS GEMM (np.dot), the bias / activation / residual / derivative epilogue fused
-# into the pass that writes the outputs:
-#   forward      z (Co, lc) = K (Co, Ci T) @ col(x)
-#   input vjp    z (Ci, lc) = Kflip (Ci, Co T) @ col(s), Kflip: K transposed, taps reversed
+# matrix in one BLAS GEMM (called directly, :func:`_gemm`, so that outputs and operands can be
+# strided views), the bias / activation / residual / derivative epilogue fused into the pass
+# that writes the outputs:
+#   forward      z (Co, L) = K (Co, Ci T) @ col(x), chunk by chunk into the sample's run
+#   input vjp    z (Ci, L) = Kflip (Ci, Co T) @ col(s), Kflip: K transposed, taps reversed
 #   kernel grad  gK^T (Ci T, Co) += col(x) @ S^T, S (Co, lc) the run of the padded cotangent
-# Chunks of ~CONV_RUN positions (col L2-resident) are a function of the shapes and
-# dtype alone; every path (single kernels, sweeps, stacked chains, captured tapes, shared steps)
-# runs a sample through the same functions, so their results agree bit for bit. Threads work on
-# samples (B > 1) with one BLAS thread each; the kernel gradient is summed per sample and then
-# over samples in order: the same bits for any thread count.
-CONV_RUN = 448  #: target run positions of one chunk (OpenBLAS's GEMM is fastest near 256-448)
+#                read in place (leading dimension Np), accumulated by the GEMM (beta 1)
+# Chunks are sized for OpenBLAS: up to CONV_SMALL_MNK multiply-adds per GEMM its small-matrix
+# kernels run without packing (~105 GFLOP/s here against 55-70 packed at C = 16-32); larger
+# ones take ~CONV_RUN positions. They are a function of the shapes alone; every path (single
+# kernels, sweeps, stacked chains, captured tapes, shared steps) runs a sample through the same
+# functions, so their results agree bit for bit. Threads work on blocks of samples with one BLAS
+# thread each; the kernel gradient is summed per sample and then over samples in order: the same
+# bits for any thread count.
+CONV_SMALL_MNK = 1_000_000  #: GEMMs up to this size take OpenBLAS's unpacked small kernels
+CONV_RUN = 448  #: run positions of a chunk whose GEMM is larger than that
 CONV_CHUNK = 1 << 18  #: most elements of one chunk's col (1 MiB float32, 2 MiB float64)
+
+
+def _gemm_signature(dt):
+    return numba.types.intc(
+        numba.types.char, numba.types.char, numba.types.char, numba.types.intp,
+        numba.types.intp, numba.types.intp, numba.types.CPointer(dt), numba.types.CPointer(dt),
+        numba.types.intp, numba.types.CPointer(dt), numba.types.intp, numba.types.CPointer(dt),
+        numba.types.CPointer(dt), numba.types.intp)
+
+
+_ensure_blas()
+#: Numba's own BLAS entry point (what np.dot calls; SciPy's cython_blas), by dtype
+_XXGEMM = {numba.types.float32: numba.types.ExternalFunction(
+               "numba_xxgemm", _gemm_signature(numba.types.float32)),
+           numba.types.float64: numba.types.ExternalFunction(
+               "numba_xxgemm", _gemm_signature(numba.types.float64))}
+
+
+def _gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
+    """Row-major C (m, n) = alpha op(A) op(B) + beta C through BLAS: a, b, c flat arrays
+    starting at the matrices' first elements, lda / ldb / ldc their row strides, ta / tb
+    ord('n') or ord('t') (op(X) = X or X^T of the stored row-major matrix)."""
+
+
+@overload(_gemm)
+def _gemm_impl(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
+    fn, kind = _XXGEMM[c.dtype], ord("s") if c.dtype == numba.types.float32 else ord("d")
+
+    def impl(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
+        scal = np.empty(2, dtype=c.dtype)
+        scal[0], scal[1] = alpha, beta
+        # column-major BLAS: C^T (n, m) = op(B)^T op(A)^T, the row-major buffers as they are
+        fn(np.int8(kind), np.int8(tb), np.int8(ta), n, m, k, scal[0:1].ctypes, b.ctypes, ldb,
+           a.ctypes, lda, scal[1:2].ctypes, c.ctypes, ldc)
+    return impl
 
 
 @njit(cache=True, inline="always")
@@ -399,17 +440,13 @@ def _conv_offsets(nd, RS, PS):
 
 
 @njit(cache=True)
-def _rows_per_chunk(R, RS, nrows):
-    """Output rows per chunk for a col of R rows (R = channels x taps): about CONV_RUN
-    positions, at most CONV_CHUNK elements of col."""
-    return max(1, min(nrows, CONV_RUN // RS, CONV_CHUNK // (R * RS)))
-
-
-@njit(cache=True)
-def _rows_per_grad_chunk(R, RS, nrows):
-    """Output rows per chunk of the kernel gradient: up to CONV_CHUNK elements of col (its
-    GEMM's long dimension is the run, and its products are summed: fewer, longer chunks)."""
-    return max(1, min(nrows, CONV_CHUNK // (R * RS)))
+def _rows_per_chunk(R, Co, RS, nrows):
+    """Output rows per chunk of a GEMM with inner size R (channels x taps) and Co outputs:
+    within CONV_SMALL_MNK multiply-adds if one row is, else about CONV_RUN positions; at most
+    CONV_CHUNK elements of col."""
+    small = Co * R * RS <= CONV_SMALL_MNK
+    rows = CONV_SMALL_MNK // (Co * R * RS) if small else CONV_RUN // RS
+    return max(1, min(nrows, rows, CONV_CHUNK // (R * RS)))
 
 
 @njit(cache=True, inline="always")
@@ -433,9 +470,10 @@ def _max_chunk(rpc, nrows, Wd, Hpl, RS, PS):
 
 @njit(cache=True)
 def _conv_work(R, Co, geo, nrows, Wd, dtype_of):
-    """A 1-D scratch holding one chunk's col (R, lc) and GEMM result (Co, lc)."""
-    lc = _max_chunk(_rows_per_chunk(R, geo[1], nrows), nrows, Wd, geo[0], geo[1], geo[2])
-    return np.empty((R + Co) * lc, dtype=dtype_of.dtype)
+    """A 1-D scratch holding one chunk's col (R, lc) and the sample's GEMM result (Co, L)."""
+    lc = _max_chunk(_rows_per_chunk(R, Co, geo[1], nrows), nrows, Wd, geo[0], geo[1], geo[2])
+    L = _row_start(nrows - 1, geo[0], geo[1], geo[2]) + Wd
+    return np.empty(R * lc + Co * L, dtype=dtype_of.dtype)
 
 
 @njit(cache=True, inline="always")
@@ -463,14 +501,21 @@ def _im2col(xp, offs, j0, lc, col):
 
 
 @njit(cache=True)
-def _gemm_chunk(xp, Kmat, offs, j0, lc, work):
-    """z (Co, lc) = Kmat (Co, C T) @ col(xp) of the chunk at j0, both in ``work``."""
+def _conv_run(xp, Kmat, offs, nrows, Wd, Hpl, RS, PS, work):
+    """z (Co, L) = Kmat (Co, C T) @ col(xp) over the sample's whole run, chunk by chunk (col
+    and z in ``work``); returns z."""
     R, Co = Kmat.shape[1], Kmat.shape[0]
-    col = work[:R * lc].reshape((R, lc))
-    _im2col(xp, offs, j0, lc, col)
-    z = work[R * lc:(R + Co) * lc].reshape((Co, lc))
-    np.dot(Kmat, col, z)
-    return z
+    L = _row_start(nrows - 1, Hpl, RS, PS) + Wd
+    rpc = _rows_per_chunk(R, Co, RS, nrows)
+    lcm = _max_chunk(rpc, nrows, Wd, Hpl, RS, PS)
+    z = work[R * lcm:R * lcm + Co * L]
+    for k in range((nrows + rpc - 1) // rpc):
+        _, _, j0, lc = _chunk(k, rpc, nrows, Wd, Hpl, RS, PS)
+        col = work[:R * lc].reshape((R, lc))
+        _im2col(xp, offs, j0, lc, col)
+        _gemm(110, 110, Co, lc, R, 1.0, Kmat.reshape(Co * R), R, col.reshape(R * lc), lc, 0.0,
+              z[j0:], L)
+    return z.reshape((Co, L))
 
 
 @njit(cache=True)
@@ -484,6 +529,16 @@ def _kflip(Kmat, T):
             for t in range(T):
                 out[i, o * T + t] = Kmat[o, i * T + T - 1 - t]
     return out
+
+
+@njit(cache=True, fastmath={"reassoc"})
+def _sum64(a):
+    """sum of a (1-D) in float64, reassociated into SIMD partial sums (a fixed order for a
+    given length: the same bits on every call)."""
+    t = 0.0
+    for j in range(a.size):
+        t += np.float64(a[j])
+    return t
 
 
 @njit(cache=True, inline="always")
@@ -513,23 +568,21 @@ def _conv_sample_forward(x, bi, Kmat, b, h, act, residual, offs, geo, xp, work, 
     Hpl, RS, PS, q0 = geo[0], geo[1], geo[2], geo[3]
     nrows, Wd = x.shape[2], x.shape[3]
     _pad_flat(x, x, bi, xp, False, Hpl, RS, PS, q0)
-    rpc = _rows_per_chunk(Kmat.shape[1], RS, nrows)
-    for k in range((nrows + rpc - 1) // rpc):
-        r0, r1, j0, lc = _chunk(k, rpc, nrows, Wd, Hpl, RS, PS)
-        z = _gemm_chunk(xp, Kmat, offs, j0, lc, work)
-        for c in range(Kmat.shape[0]):
-            bc = b[c]
-            for r in range(r0, r1):  # row views: unit-stride loops that vectorise
-                start = _row_start(r, Hpl, RS, PS) - j0
-                zr = z[c, start:start + Wd]
-                yr = y[bi, c, r] if y.shape[0] else zr[:0]
-                Dr = D[bi, c, r] if D.shape[0] else zr[:0]
-                if act == 0:  # a constant act per loop: its branches fold, the loops vectorise
-                    _fwd_row(zr, x[bi, c, r], yr, Dr, bc, h, 0, residual)
-                elif act == 1:
-                    _fwd_row(zr, x[bi, c, r], yr, Dr, bc, h, 1, residual)
-                else:
-                    _fwd_row(zr, x[bi, c, r], yr, Dr, bc, h, 2, residual)
+    z = _conv_run(xp, Kmat, offs, nrows, Wd, Hpl, RS, PS, work)
+    for c in range(Kmat.shape[0]):
+        bc = b[c]
+        for r in range(nrows):
+            start = _row_start(r, Hpl, RS, PS)
+            zr = z[c, start:start + Wd]
+            xr = x[bi, c, r] if x.shape[1] == Kmat.shape[0] else zr
+            yr = y[bi, c, r] if y.shape[0] else zr[:0]
+            Dr = D[bi, c, r] if D.shape[0] else zr[:0]
+            if act == 0:  # a constant act per loop: its branches fold, the loops vectorise
+                _fwd_row(zr, xr, yr, Dr, bc, h, 0, residual)
+            elif act == 1:
+                _fwd_row(zr, xr, yr, Dr, bc, h, 1, residual)
+            else:
+                _fwd_row(zr, xr, yr, Dr, bc, h, 2, residual)
 
 
 @njit(cache=True, inline="always")
@@ -537,107 +590,101 @@ def _conv_sample_vjp_input(sp, bi, Kflip, h, residual, offs, geo, work, gy, gx):
     """gx[bi] = [gy[bi] +] h conv^T(s) from the padded cotangent sp (Co, Np) of sample bi."""
     Hpl, RS, PS = geo[0], geo[1], geo[2]
     nrows, Wd = gx.shape[2], gx.shape[3]
-    rpc = _rows_per_chunk(Kflip.shape[1], RS, nrows)
-    for k in range((nrows + rpc - 1) // rpc):
-        r0, r1, j0, lc = _chunk(k, rpc, nrows, Wd, Hpl, RS, PS)
-        z = _gemm_chunk(sp, Kflip, offs, j0, lc, work)
-        for c in range(Kflip.shape[0]):
-            for r in range(r0, r1):
-                start = _row_start(r, Hpl, RS, PS) - j0
-                zr, gr, gyr = z[c, start:start + Wd], gx[bi, c, r], gy[bi, c, r]
-                if residual:
-                    for xx in range(Wd):
-                        gr[xx] = gyr[xx] + h * zr[xx]
-                else:
-                    for xx in range(Wd):
-                        gr[xx] = h * zr[xx]
+    z = _conv_run(sp, Kflip, offs, nrows, Wd, Hpl, RS, PS, work)
+    for c in range(Kflip.shape[0]):
+        for r in range(nrows):
+            start = _row_start(r, Hpl, RS, PS)
+            zr, gr, gyr = z[c, start:start + Wd], gx[bi, c, r], gy[bi, c, r]
+            if residual:
+                for xx in range(Wd):
+                    gr[xx] = gyr[xx] + h * zr[xx]
+            else:
+                for xx in range(Wd):
+                    gr[xx] = h * zr[xx]
 
 
 @njit(cache=True, inline="always")
-def _conv_sample_param_grad(sp, xp, offs, geo, nrows, Wd, work, sbuf, gK, gb):
-    """gK (Co, Ci T) = (col(x) @ S^T)^T and gb (Co,) float64 = sum of s, of one sample from its
-    padded cotangent sp (Co, Np) and padded input xp (Ci, Np); sbuf: scratch (Co * lc,)."""
-    Hpl, RS, PS, q0 = geo[0], geo[1], geo[2], geo[3]
-    Co, R = gK.shape[0], gK.shape[1]
-    gK[:] = 0
+def _conv_sample_param_grad(sp, xp, offs, geo, nrows, Wd, col, gKT, gb):
+    """gKT (Ci T, Co) = col(x) @ S^T and gb (Co,) float64 = sum of s, of one sample from its
+    padded cotangent sp (Co, Np) and padded input xp (Ci, Np); col: scratch of a chunk."""
+    Hpl, RS, PS, q0, Np = geo[0], geo[1], geo[2], geo[3], geo[4]
+    R, Co = gKT.shape[0], gKT.shape[1]
     gb[:] = 0
-    rpc = _rows_per_grad_chunk(R, RS, nrows)
+    spf = sp.reshape(Co * Np)
+    rpc = _rows_per_chunk(R, Co, RS, nrows)
     for k in range((nrows + rpc - 1) // rpc):
-        r0, r1, j0, lc = _chunk(k, rpc, nrows, Wd, Hpl, RS, PS)
-        col = work[:R * lc].reshape((R, lc))
-        _im2col(xp, offs, j0, lc, col)
-        S = sbuf[:Co * lc].reshape((Co, lc))
+        _, _, j0, lc = _chunk(k, rpc, nrows, Wd, Hpl, RS, PS)
+        cm = col[:R * lc].reshape((R, lc))
+        _im2col(xp, offs, j0, lc, cm)
         for c in range(Co):  # the run of s: its border positions are zero
-            src = sp[c, q0 + j0:q0 + j0 + lc]
-            t = 0.0
-            for j in range(lc):
-                S[c, j] = src[j]
-                t += src[j]
-            gb[c] += t
-        prod = work[R * lc:R * lc + R * Co].reshape((R, Co))
-        np.dot(col, S.T, prod)  # gK^T: 2-3x faster in OpenBLAS than S @ col^T at C >= 16
-        for j in range(R):
-            for c in range(Co):
-                gK[c, j] += prod[j, c]
+            gb[c] += _sum64(sp[c, q0 + j0:q0 + j0 + lc])
+        # S (Co, lc) in place: row stride Np
+        _gemm(110, 116, R, Co, lc, 1.0, cm.reshape(R * lc), lc, spf[q0 + j0:], Np,
+              0.0 if k == 0 else 1.0, gKT.reshape(R * Co), Co)
 
 
 @njit(cache=True, parallel=True)
-def _conv_forward_all(x, Kmat, b, h, act, residual, want_y, want_deriv, nd, shape):
-    """(y, sigma') of every sample, x (B, C, rows, W): threads over samples."""
+def _conv_forward_all(x, Kmat, b, h, act, residual, want_y, want_deriv, nd, shape, nblk):
+    """(y, sigma') of every sample, x (B, C, rows, W): ``nblk`` blocks of samples on Numba's
+    threads (:func:`_blocks`; the bits do not depend on it)."""
     B, Co = x.shape[0], Kmat.shape[0]
     geo = _conv_geometry(nd, shape)
     offs = _conv_offsets(nd, geo[1], geo[2])
     out_shape = (B, Co, x.shape[2], x.shape[3])
     y = np.empty(out_shape if want_y else (0, 0, 0, 0), dtype=x.dtype)
     D = np.empty(out_shape if want_deriv else (0, 0, 0, 0), dtype=x.dtype)
-    for bi in prange(B):
+    nblk = max(1, min(B, nblk))
+    for blk in prange(nblk):  # a block of samples per thread: its scratch allocated once
         xp = np.zeros((x.shape[1], geo[4]), dtype=x.dtype)
         work = _conv_work(Kmat.shape[1], Co, geo, x.shape[2], x.shape[3], x)
-        _conv_sample_forward(x, bi, Kmat, b, h, act, residual, offs, geo, xp, work, y, D)
+        for bi in range(blk * B // nblk, (blk + 1) * B // nblk):
+            _conv_sample_forward(x, bi, Kmat, b, h, act, residual, offs, geo, xp, work, y, D)
     return y, D
 
 
 @njit(cache=True, parallel=True)
-def _conv_vjp_all(gy, deriv, x, Kmat, h, residual, want_input, want_params, nd, shape):
+def _conv_vjp_all(gy, deriv, x, Kmat, h, residual, want_input, want_params, nd, shape, nblk):
     """(gx, gK (Co, Ci T), gb (Co,)) of every sample (each when wanted), s = deriv * gy:
-    threads over samples, gK and gb summed over samples in order."""
+    blocks of samples on threads, gK and gb summed over samples in order."""
     B, Co, nrows, Wd = gy.shape
     T = 9 if nd == 2 else 27
     Ci = Kmat.shape[1] // T
+    R = Ci * T
     geo = _conv_geometry(nd, shape)
     offs = _conv_offsets(nd, geo[1], geo[2])
     Kflip = _kflip(Kmat, T)
     gx = np.empty((B, Ci, nrows, Wd) if want_input else (0, 0, 0, 0), dtype=gy.dtype)
-    gKs = np.empty((B if want_params else 0, Co, Ci * T), dtype=gy.dtype)
+    gKTs = np.empty((B if want_params else 0, R, Co), dtype=gy.dtype)
     gbs = np.empty((B if want_params else 0, Co))
-    for bi in prange(B):
+    lcg = _max_chunk(_rows_per_chunk(R, Co, geo[1], nrows), nrows, Wd, geo[0], geo[1], geo[2])
+    nblk = max(1, min(B, nblk))
+    for blk in prange(nblk):  # a block of samples per thread: its scratch allocated once
         sp = np.zeros((Co, geo[4]), dtype=gy.dtype)
-        _pad_flat(gy, deriv, bi, sp, True, geo[0], geo[1], geo[2], geo[3])
-        if want_params:
-            xp = np.zeros((Ci, geo[4]), dtype=gy.dtype)
-            _pad_flat(x, x, bi, xp, False, geo[0], geo[1], geo[2], geo[3])
-            R = Ci * T
-            lc = _max_chunk(_rows_per_grad_chunk(R, geo[1], nrows), nrows, Wd, geo[0], geo[1],
-                            geo[2])
-            work = np.empty(R * lc + max(Co * lc, Co * R), dtype=gy.dtype)
-            sbuf = np.empty(Co * lc, dtype=gy.dtype)
-            _conv_sample_param_grad(sp, xp, offs, geo, nrows, Wd, work, sbuf, gKs[bi], gbs[bi])
-        if want_input:
-            work = _conv_work(Co * T, Ci, geo, nrows, Wd, gy)
-            _conv_sample_vjp_input(sp, bi, Kflip, h, residual, offs, geo, work, gy, gx)
-    gK = np.zeros((Co, Ci * T), dtype=gy.dtype)
+        xp = np.zeros((Ci if want_params else 0, geo[4]), dtype=gy.dtype)
+        col = np.empty(R * lcg if want_params else 0, dtype=gy.dtype)
+        iwork = _conv_work(Co * T, Ci, geo, nrows, Wd, gy)
+        for bi in range(blk * B // nblk, (blk + 1) * B // nblk):
+            _pad_flat(gy, deriv, bi, sp, True, geo[0], geo[1], geo[2], geo[3])
+            if want_params:
+                _pad_flat(x, x, bi, xp, False, geo[0], geo[1], geo[2], geo[3])
+                _conv_sample_param_grad(sp, xp, offs, geo, nrows, Wd, col, gKTs[bi], gbs[bi])
+            if want_input:
+                _conv_sample_vjp_input(sp, bi, Kflip, h, residual, offs, geo, iwork, gy, gx)
+    gK = np.zeros((Co, R), dtype=gy.dtype)
     gb = np.zeros(Co, dtype=gy.dtype)
     if want_params:
+        tK = np.zeros((R, Co), dtype=gy.dtype)
         tb = np.zeros(Co)
         for bi in range(B):
             for c in range(Co):
                 tb[c] += gbs[bi, c]
-                for j in range(Ci * T):
-                    gK[c, j] += gKs[bi, c, j]
+            for j in range(R):
+                for c in range(Co):
+                    tK[j, c] += gKTs[bi, j, c]
         for c in range(Co):
             gb[c] = h * tb[c]
-            for j in range(Ci * T):
-                gK[c, j] = h * gK[c, j]
+            for j in range(R):
+                gK[c, j] = h * tK[j, c]
     return gx, gK, gb
 
 
@@ -653,12 +700,19 @@ def _rows4(a):
     return a.reshape(a.shape[0], a.shape[1], -1, a.shape[-1])
 
 
+def _blocks():
+    """Sample blocks of the conv drivers: one per Numba thread (numba.get_num_threads inside
+    an njit function would make it uncacheable)."""
+    return numba.get_num_threads()
+
+
 def _conv_fwd_call(x, K, b, h, act, residual, want_y, want_deriv):
     """Both outputs of the forward core for a 2D or 3D x, shaped as the states (or empty)."""
     nd = x.ndim - 2
     with one_blas_thread():
         y, D = _conv_forward_all(_rows4(x), _kmat(K), np.ascontiguousarray(b), h, int(act),
-                                 bool(residual), want_y, want_deriv, nd, tuple(x.shape[2:]))
+                                 bool(residual), want_y, want_deriv, nd, tuple(x.shape[2:]),
+                                 _blocks())
     shape = (x.shape[0], K.shape[0]) + x.shape[2:]
     return (y.reshape(shape) if want_y else y), (D.reshape(shape) if want_deriv else D)
 
@@ -670,7 +724,7 @@ def _conv_vjp_call(gy, deriv, x, K, h, residual, want_input, want_params):
     with one_blas_thread():
         gx, gK, gb = _conv_vjp_all(_rows4(gy), _rows4(deriv), _rows4(x), Kmat, h,
                                    bool(residual), want_input, want_params, nd,
-                                   tuple(gy.shape[2:]))
+                                   tuple(gy.shape[2:]), _blocks())
     if want_input:
         gx = gx.reshape((gy.shape[0], K.shape[1]) + gy.shape[2:])
     return gx, gK.reshape(K.shape), gb
@@ -950,16 +1004,16 @@ def _dense_adj_step(lam, Wl, Dl, h, s, z, out, u, g, has_g, mode):
 
 
 @njit(cache=True, inline="always")
-def _conv_out(x, bi, c, r, xx, h, zz, out, u, g, has_g, mode, act, adjoint):
-    """out[bi, c, r, xx] from the convolution's element zz: x + h sigma(zz) (forward, zz with
-    the bias) / x + h zz (adjoint), rounded to the dtype, then combined by mode."""
-    old = out[bi, c, r, xx]
+def _conv_out(x, e, h, zz, out, u, g, has_g, mode, act, adjoint):
+    """out[e] (states flattened per sample and channel) from the convolution's element zz:
+    x + h sigma(zz) (forward, zz with the bias; in float64, rounded once, as the single
+    kernels' :func:`_fwd_row`) / x + h zz (adjoint), then combined by mode."""
+    old = out[e]
     if adjoint:
-        out[bi, c, r, xx] = x[bi, c, r, xx] + h * zz
+        out[e] = x[e] + h * zz
     else:
-        out[bi, c, r, xx] = x[bi, c, r, xx] + h * np.float64(_sig(zz, act))
-    out[bi, c, r, xx] = _combine(out[bi, c, r, xx], old, u[bi, c, r, xx], g[bi, c, r, xx],
-                                 has_g, mode)
+        out[e] = x[e] + h * np.float64(_sig(zz, act))
+    out[e] = _combine(out[e], old, u[e], g[e], has_g, mode)
 
 
 @njit(cache=True)
@@ -972,22 +1026,22 @@ def _conv_planes(x, Kmat, bl, Dl, h, act, xp, work, out, u, g, has_g, mode, h2, 
     geo = _conv_geometry(2, (H, Wd))
     Hpl, RS, PS, q0 = geo[0], geo[1], geo[2], geo[3]
     offs = _conv_offsets(2, RS, PS)
-    rpc = _rows_per_chunk(Kmat.shape[1], RS, H)
     for bi in range(x.shape[0]):
         _pad_flat(x, Dl, bi, xp, adjoint, Hpl, RS, PS, q0)
-        for k in range((H + rpc - 1) // rpc):
-            r0, r1, j0, lc = _chunk(k, rpc, H, Wd, Hpl, RS, PS)
-            z = _gemm_chunk(xp, Kmat, offs, j0, lc, work)
-            for c in range(Kmat.shape[0]):
-                bc = z.dtype.type(0) if adjoint else bl[c]
-                for r in range(r0, r1):
-                    zr = z[c, _row_start(r, Hpl, RS, PS) - j0:]
-                    for xx in range(Wd):
-                        zz = zr[xx] if adjoint else zr[xx] + bc
-                        _conv_out(x, bi, c, r, xx, h, zz, out, u, g, has_g, mode, act, adjoint)
-                        if share:
-                            _conv_out(x, bi, c, r, xx, h2, zz, p, p, p, False, 2, act,
-                                      adjoint)
+        z = _conv_run(xp, Kmat, offs, H, Wd, Hpl, RS, PS, work)
+        for c in range(Kmat.shape[0]):
+            bc = z.dtype.type(0) if adjoint else bl[c]
+            xf, of = x[bi, c].reshape(H * Wd), out[bi, c].reshape(H * Wd)
+            uf, gf = u[bi, c].reshape(H * Wd), g[bi, c].reshape(H * Wd)
+            pf = p[bi, c].reshape(H * Wd)
+            for r in range(H):
+                zr = z[c, r * RS:r * RS + Wd]
+                for xx in range(Wd):
+                    e = r * Wd + xx
+                    zz = zr[xx] if adjoint else zr[xx] + bc
+                    _conv_out(xf, e, h, zz, of, uf, gf, has_g, mode, act, adjoint)
+                    if share:
+                        _conv_out(xf, e, h2, zz, pf, pf, pf, False, 2, act, adjoint)
 
 
 @njit(cache=True)
@@ -1615,23 +1669,25 @@ def _dense_vjp_params_stacked(L, l_first, l_stride, D, U, u_first, count, layer0
 
 
 @njit(cache=True)
-def _conv_deriv_stacked(U, first, count, K, b, layer0, act, D):
+def _conv_deriv_stacked(U, first, count, K, b, layer0, act, D, nblk):
     one = U.dtype.type(1)
     H, Wd = U.shape[3], U.shape[4]
     for p in range(count):
         Kl = K[layer0 + p]
         D[p] = _conv_forward_all(U[first + p], Kl.reshape((Kl.shape[0], Kl.shape[1] * 9)),
-                                 b[layer0 + p], one, act, False, False, True, 2, (H, Wd))[1]
+                                 b[layer0 + p], one, act, False, False, True, 2, (H, Wd),
+                                 nblk)[1]
 
 
 @njit(cache=True)
-def _conv_vjp_params_stacked(L, l_first, l_stride, D, U, u_first, count, layer0, h, gK, gb):
+def _conv_vjp_params_stacked(L, l_first, l_stride, D, U, u_first, count, layer0, h, gK, gb,
+                             nblk):
     H, Wd = U.shape[3], U.shape[4]
     for p in range(count):
         Kl = gK[layer0 + p]  # shape only: no input vjp
         _, gKl, gbl = _conv_vjp_all(L[l_first + p * l_stride], D[p], U[u_first + p],
                                     Kl.reshape((Kl.shape[0], Kl.shape[1] * 9)), h, False, False,
-                                    True, 2, (H, Wd))
+                                    True, 2, (H, Wd), nblk)
         gK[layer0 + p] = gKl.reshape(Kl.shape)
         gb[layer0 + p] = gbl
 
@@ -1658,14 +1714,14 @@ def _stacked_grads():
     def conv_deriv_stacked(U, first, count, K, b, layer0, act, D):
         count = check_stacked_grads("conv", U, first, count, K, layer0, D, b)
         with one_blas_thread():
-            _conv_deriv_stacked(U, first, count, K, b, layer0, act, D)
+            _conv_deriv_stacked(U, first, count, K, b, layer0, act, D, _blocks())
 
     def conv_vjp_params_stacked(L, l_first, l_stride, D, U, u_first, count, layer0, h, gK, gb):
         count = check_stacked_grads("conv", U, u_first, count, gK, layer0, D, gb, L, l_first,
                                     l_stride)
         with one_blas_thread():
             _conv_vjp_params_stacked(L, l_first, l_stride, D, U, u_first, count, layer0,
-                                     U.dtype.type(h), gK, gb)
+                                     U.dtype.type(h), gK, gb, _blocks())
 
     fns = {}
     for fn in (dense_deriv_stacked, dense_vjp_params_stacked, conv_deriv_stacked,

@@ -18,11 +18,13 @@ REF = get_backend("numpy")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 #: (B, Ci, Co, H, W): odd sizes, C not a multiple of any block, B = 1, a 1x1 image, a tall
-#: image of one column, an image of several chunks (40 rows of RS = 42: 10 rows a chunk)
+#: image of one column, images of several chunks (40 channels: 3 rows a chunk, small GEMMs; a
+#: wide image: 6 rows a chunk, large GEMMs)
 SHAPES_2D = [(2, 3, 5, 7, 9), (1, 4, 4, 8, 8), (1, 1, 1, 1, 1), (3, 7, 7, 13, 1),
-             (2, 5, 3, 40, 40), (1, 17, 17, 11, 12)]
-#: (B, Ci, Co, D, H, W): a volume whose chunks cross planes (42 rows of RS = 11), a 1-voxel one
-SHAPES_3D = [(2, 3, 5, 6, 7, 9), (1, 2, 2, 1, 1, 1), (1, 4, 3, 3, 2, 5)]
+             (2, 5, 3, 40, 40), (1, 17, 17, 11, 12), (2, 40, 40, 20, 20), (1, 40, 40, 8, 70)]
+#: (B, Ci, Co, D, H, W): volumes of one chunk, a 1-voxel one, and one whose 7-row chunks cross
+#: its 6-row planes
+SHAPES_3D = [(2, 3, 5, 6, 7, 9), (1, 2, 2, 1, 1, 1), (1, 4, 3, 3, 2, 5), (2, 24, 24, 5, 6, 7)]
 
 
 def _case(rng, dtype, B, Ci, Co, *spatial):
@@ -69,16 +71,18 @@ def test_conv3d_core_matches_the_reference(dtype, shape, rng):
 
 
 def test_chunking_crosses_rows_and_planes():
-    """The shapes above do span several chunks (else the chunk seams would go untested)."""
+    """The shapes above do span several chunks, of either size rule (else the chunk seams would
+    go untested)."""
+    small = large = False
     for (B, Ci, Co, H, W) in SHAPES_2D:
         geo = NB._conv_geometry(2, (H, W))
-        if NB._rows_per_chunk(9 * Ci, geo[1], H) < H:
-            break
-    else:
-        pytest.fail("no 2D case spans several chunks")
-    B, Ci, Co, D, H, W = SHAPES_3D[0]
+        if NB._rows_per_chunk(9 * Ci, Co, geo[1], H) < H:
+            small |= Co * 9 * Ci * geo[1] <= NB.CONV_SMALL_MNK
+            large |= Co * 9 * Ci * geo[1] > NB.CONV_SMALL_MNK
+    assert small and large, (small, large)
+    B, Ci, Co, D, H, W = SHAPES_3D[-1]
     geo = NB._conv_geometry(3, (D, H, W))
-    rpc = NB._rows_per_chunk(27 * Ci, geo[1], D * H)
+    rpc = NB._rows_per_chunk(27 * Ci, Co, geo[1], D * H)
     assert rpc < D * H and rpc % H, (rpc, D * H)  # several chunks, one ending mid-plane
 
 
