@@ -40,6 +40,9 @@ from mgnn.scaling import _problem  # noqa: E402
 #: per output and of B H W per kernel gradient, and relu kinks that round either way.
 GRAD_RTOL = {"float32": 1e-4, "float64": 1e-10}
 CONV_GRAD_RTOL = {"float32": 1e-3, "float64": 1e-10}
+#: Batch norm's backward subtracts batch means (cancellation): float32 kernel gradients through
+#: it agree to ~5e-3 between any two summation orders.
+BN_GRAD_RTOL = {"float32": 2e-2, "float64": 1e-10}
 
 
 def torch_network(model, torch):
@@ -197,7 +200,8 @@ def run(args, torch, log=print):
     """Check, time and report; returns the result dict (also written to ``args.json``)."""
     model, x, y, cfg, name = _network(args)
     dloss, gerr = compare(model, x, y, torch)
-    tol = (CONV_GRAD_RTOL if args.model == "conv" else GRAD_RTOL)[args.dtype]
+    tol = (BN_GRAD_RTOL if args.batch_norm else CONV_GRAD_RTOL if args.model == "conv"
+           else GRAD_RTOL)[args.dtype]
     log(f"{name}: relative loss difference {dloss:.2e}, largest relative gradient "
         f"error {gerr:.2e} (tolerance {tol:g})")
     if not (dloss <= tol and gerr <= tol):

@@ -439,16 +439,6 @@ def _conv_offsets(nd, RS, PS):
     return offs
 
 
-@njit(cache=True)
-def _rows_per_chunk(R, Co, RS, nrows):
-    """Output rows per chunk of a GEMM with inner size R (channels x taps) and Co outputs:
-    within CONV_SMALL_MNK multiply-adds if one row is, else about CONV_RUN positions; at most
-    CONV_CHUNK elements of col."""
-    small = Co * R * RS <= CONV_SMALL_MNK
-    rows = CONV_SMALL_MNK // (Co * R * RS) if small else CONV_RUN // RS
-    return max(1, min(nrows, rows, CONV_CHUNK // (R * RS)))
-
-
 @njit(cache=True, inline="always")
 def _chunk(k, rpc, nrows, Wd, Hpl, RS, PS):
     """Rows [r0, r1) of chunk k, its first run position j0 and length lc."""
@@ -469,9 +459,25 @@ def _max_chunk(rpc, nrows, Wd, Hpl, RS, PS):
 
 
 @njit(cache=True)
+def _rows_per_chunk(R, Co, nrows, Wd, Hpl, RS, PS):
+    """Output rows per chunk of a GEMM with inner size R (channels x taps) and Co outputs:
+    every chunk within CONV_SMALL_MNK multiply-adds if one row is (a chunk that crosses planes
+    is longer than its rows), else about CONV_RUN positions; at most CONV_CHUNK elements of
+    col."""
+    cap = max(1, min(nrows, CONV_CHUNK // (R * RS)))
+    if Co * R * RS > CONV_SMALL_MNK:
+        return max(1, min(cap, CONV_RUN // RS))
+    rows = max(1, min(cap, CONV_SMALL_MNK // (Co * R * RS)))
+    while rows > 1 and Co * R * _max_chunk(rows, nrows, Wd, Hpl, RS, PS) > CONV_SMALL_MNK:
+        rows -= 1
+    return rows
+
+
+@njit(cache=True)
 def _conv_work(R, Co, geo, nrows, Wd, dtype_of):
     """A 1-D scratch holding one chunk's col (R, lc) and the sample's GEMM result (Co, L)."""
-    lc = _max_chunk(_rows_per_chunk(R, Co, geo[1], nrows), nrows, Wd, geo[0], geo[1], geo[2])
+    lc = _max_chunk(_rows_per_chunk(R, Co, nrows, Wd, geo[0], geo[1], geo[2]), nrows, Wd,
+                    geo[0], geo[1], geo[2])
     L = _row_start(nrows - 1, geo[0], geo[1], geo[2]) + Wd
     return np.empty(R * lc + Co * L, dtype=dtype_of.dtype)
 
@@ -506,7 +512,7 @@ def _conv_run(xp, Kmat, offs, nrows, Wd, Hpl, RS, PS, work):
     and z in ``work``); returns z."""
     R, Co = Kmat.shape[1], Kmat.shape[0]
     L = _row_start(nrows - 1, Hpl, RS, PS) + Wd
-    rpc = _rows_per_chunk(R, Co, RS, nrows)
+    rpc = _rows_per_chunk(R, Co, nrows, Wd, Hpl, RS, PS)
     lcm = _max_chunk(rpc, nrows, Wd, Hpl, RS, PS)
     z = work[R * lcm:R * lcm + Co * L]
     for k in range((nrows + rpc - 1) // rpc):
@@ -586,59 +592,72 @@ def _conv_sample_forward(x, bi, Kmat, b, h, act, residual, offs, geo, xp, work, 
 
 
 @njit(cache=True, inline="always")
-def _conv_sample_vjp_input(sp, bi, Kflip, h, residual, offs, geo, work, gy, gx):
-    """gx[bi] = [gy[bi] +] h conv^T(s) from the padded cotangent sp (Co, Np) of sample bi."""
-    Hpl, RS, PS = geo[0], geo[1], geo[2]
-    nrows, Wd = gx.shape[2], gx.shape[3]
-    z = _conv_run(sp, Kflip, offs, nrows, Wd, Hpl, RS, PS, work)
-    for c in range(Kflip.shape[0]):
-        for r in range(nrows):
-            start = _row_start(r, Hpl, RS, PS)
-            zr, gr, gyr = z[c, start:start + Wd], gx[bi, c, r], gy[bi, c, r]
-            if residual:
-                for xx in range(Wd):
-                    gr[xx] = gyr[xx] + h * zr[xx]
-            else:
-                for xx in range(Wd):
-                    gr[xx] = h * zr[xx]
-
-
-@njit(cache=True, inline="always")
-def _conv_sample_param_grad(sp, xp, offs, geo, nrows, Wd, col, gKT, gb):
-    """gKT (Ci T, Co) = col(x) @ S^T and gb (Co,) float64 = sum of s, of one sample from its
-    padded cotangent sp (Co, Np) and padded input xp (Ci, Np); col: scratch of a chunk."""
+def _conv_sample_vjp(sp, xp, bi, Kflip, h, residual, offs, geo, work, gy, gx, gKfT, gb,
+                     want_input, want_params):
+    """Of sample bi, from its padded cotangent sp (Co, Np) and padded input xp (Ci, Np): gx[bi]
+    = [gy[bi] +] h conv^T(s) (``want_input``), and (``want_params``) gKfT (Co T, Ci) = col(s)
+    @ X^T, X (Ci, lc) the run of xp read in place, and gb (Co,) float64 = sum of s. One
+    im2col of s serves both GEMMs: gK[o, i, t] = sum_j s[o, j] x[i, j + offs[t] - q0] =
+    gKfT[o T + T-1-t, i], since offs[T-1-t] = 2 q0 - offs[t]."""
     Hpl, RS, PS, q0, Np = geo[0], geo[1], geo[2], geo[3], geo[4]
-    R, Co = gKT.shape[0], gKT.shape[1]
-    gb[:] = 0
-    spf = sp.reshape(Co * Np)
-    rpc = _rows_per_chunk(R, Co, RS, nrows)
+    nrows, Wd = gy.shape[2], gy.shape[3]
+    Ci, R, Co = Kflip.shape[0], Kflip.shape[1], sp.shape[0]
+    L = _row_start(nrows - 1, Hpl, RS, PS) + Wd
+    rpc = _rows_per_chunk(R, Ci, nrows, Wd, Hpl, RS, PS)
+    lcm = _max_chunk(rpc, nrows, Wd, Hpl, RS, PS)
+    z = work[R * lcm:R * lcm + Ci * L]
+    xpf = xp.reshape(xp.size)
+    if want_params:
+        gb[:] = 0
     for k in range((nrows + rpc - 1) // rpc):
         _, _, j0, lc = _chunk(k, rpc, nrows, Wd, Hpl, RS, PS)
-        cm = col[:R * lc].reshape((R, lc))
-        _im2col(xp, offs, j0, lc, cm)
-        for c in range(Co):  # the run of s: its border positions are zero
-            gb[c] += _sum64(sp[c, q0 + j0:q0 + j0 + lc])
-        # S (Co, lc) in place: row stride Np
-        _gemm(110, 116, R, Co, lc, 1.0, cm.reshape(R * lc), lc, spf[q0 + j0:], Np,
-              0.0 if k == 0 else 1.0, gKT.reshape(R * Co), Co)
+        col = work[:R * lc].reshape((R, lc))
+        _im2col(sp, offs, j0, lc, col)
+        if want_input:
+            _gemm(110, 110, Ci, lc, R, 1.0, Kflip.reshape(Ci * R), R, col.reshape(R * lc), lc,
+                  0.0, z[j0:], L)
+        if want_params:
+            for c in range(Co):  # the run of s: its border positions are zero
+                gb[c] += _sum64(sp[c, q0 + j0:q0 + j0 + lc])
+            _gemm(110, 116, R, Ci, lc, 1.0, col.reshape(R * lc), lc, xpf[q0 + j0:], Np,
+                  0.0 if k == 0 else 1.0, gKfT.reshape(R * Ci), Ci)
+    if want_input:
+        zz = z.reshape((Ci, L))
+        for c in range(Ci):
+            for r in range(nrows):
+                start = _row_start(r, Hpl, RS, PS)
+                zr, gr, gyr = zz[c, start:start + Wd], gx[bi, c, r], gy[bi, c, r]
+                if residual:
+                    for xx in range(Wd):
+                        gr[xx] = gyr[xx] + h * zr[xx]
+                else:
+                    for xx in range(Wd):
+                        gr[xx] = h * zr[xx]
 
 
 @njit(cache=True, parallel=True)
-def _conv_forward_all(x, Kmat, b, h, act, residual, want_y, want_deriv, nd, shape, nblk):
-    """(y, sigma') of every sample, x (B, C, rows, W): ``nblk`` blocks of samples on Numba's
-    threads (:func:`_blocks`; the bits do not depend on it)."""
+def _conv_forward_into(x, Kmat, b, h, act, residual, y, D, nd, shape, nblk):
+    """y = [x +] h sigma(conv(x) + b), D = sigma'(.) of every sample into the given arrays (an
+    output of shape (0, 0, 0, 0) is not computed), x, y, D (B, C, rows, W): ``nblk`` blocks of
+    samples on Numba's threads (:func:`_blocks`; the bits do not depend on it)."""
     B, Co = x.shape[0], Kmat.shape[0]
     geo = _conv_geometry(nd, shape)
     offs = _conv_offsets(nd, geo[1], geo[2])
-    out_shape = (B, Co, x.shape[2], x.shape[3])
-    y = np.empty(out_shape if want_y else (0, 0, 0, 0), dtype=x.dtype)
-    D = np.empty(out_shape if want_deriv else (0, 0, 0, 0), dtype=x.dtype)
     nblk = max(1, min(B, nblk))
     for blk in prange(nblk):  # a block of samples per thread: its scratch allocated once
         xp = np.zeros((x.shape[1], geo[4]), dtype=x.dtype)
         work = _conv_work(Kmat.shape[1], Co, geo, x.shape[2], x.shape[3], x)
         for bi in range(blk * B // nblk, (blk + 1) * B // nblk):
             _conv_sample_forward(x, bi, Kmat, b, h, act, residual, offs, geo, xp, work, y, D)
+
+
+@njit(cache=True)
+def _conv_forward_all(x, Kmat, b, h, act, residual, want_y, want_deriv, nd, shape, nblk):
+    """(y, sigma') of every sample into new arrays (each empty when not wanted)."""
+    out_shape = (x.shape[0], Kmat.shape[0], x.shape[2], x.shape[3])
+    y = np.empty(out_shape if want_y else (0, 0, 0, 0), dtype=x.dtype)
+    D = np.empty(out_shape if want_deriv else (0, 0, 0, 0), dtype=x.dtype)
+    _conv_forward_into(x, Kmat, b, h, act, residual, y, D, nd, shape, nblk)
     return y, D
 
 
@@ -654,37 +673,40 @@ def _conv_vjp_all(gy, deriv, x, Kmat, h, residual, want_input, want_params, nd, 
     offs = _conv_offsets(nd, geo[1], geo[2])
     Kflip = _kflip(Kmat, T)
     gx = np.empty((B, Ci, nrows, Wd) if want_input else (0, 0, 0, 0), dtype=gy.dtype)
-    gKTs = np.empty((B if want_params else 0, R, Co), dtype=gy.dtype)
+    gKfTs = np.empty((B if want_params else 0, Co * T, Ci), dtype=gy.dtype)
     gbs = np.empty((B if want_params else 0, Co))
-    lcg = _max_chunk(_rows_per_chunk(R, Co, geo[1], nrows), nrows, Wd, geo[0], geo[1], geo[2])
     nblk = max(1, min(B, nblk))
     for blk in prange(nblk):  # a block of samples per thread: its scratch allocated once
         sp = np.zeros((Co, geo[4]), dtype=gy.dtype)
         xp = np.zeros((Ci if want_params else 0, geo[4]), dtype=gy.dtype)
-        col = np.empty(R * lcg if want_params else 0, dtype=gy.dtype)
-        iwork = _conv_work(Co * T, Ci, geo, nrows, Wd, gy)
+        work = _conv_work(Co * T, Ci, geo, nrows, Wd, gy)
+        gKf0 = np.empty((0, Ci), dtype=gy.dtype)
+        gb0 = np.empty(0)
         for bi in range(blk * B // nblk, (blk + 1) * B // nblk):
             _pad_flat(gy, deriv, bi, sp, True, geo[0], geo[1], geo[2], geo[3])
             if want_params:
                 _pad_flat(x, x, bi, xp, False, geo[0], geo[1], geo[2], geo[3])
-                _conv_sample_param_grad(sp, xp, offs, geo, nrows, Wd, col, gKTs[bi], gbs[bi])
-            if want_input:
-                _conv_sample_vjp_input(sp, bi, Kflip, h, residual, offs, geo, iwork, gy, gx)
+                _conv_sample_vjp(sp, xp, bi, Kflip, h, residual, offs, geo, work, gy, gx,
+                                 gKfTs[bi], gbs[bi], want_input, True)
+            else:
+                _conv_sample_vjp(sp, xp, bi, Kflip, h, residual, offs, geo, work, gy, gx,
+                                 gKf0, gb0, want_input, False)
     gK = np.zeros((Co, R), dtype=gy.dtype)
     gb = np.zeros(Co, dtype=gy.dtype)
     if want_params:
-        tK = np.zeros((R, Co), dtype=gy.dtype)
+        tK = np.zeros((Co * T, Ci), dtype=gy.dtype)
         tb = np.zeros(Co)
         for bi in range(B):
             for c in range(Co):
                 tb[c] += gbs[bi, c]
-            for j in range(R):
-                for c in range(Co):
-                    tK[j, c] += gKTs[bi, j, c]
+            for j in range(Co * T):
+                for i in range(Ci):
+                    tK[j, i] += gKfTs[bi, j, i]
         for c in range(Co):
             gb[c] = h * tb[c]
-            for j in range(R):
-                gK[c, j] = h * tK[j, c]
+            for i in range(Ci):
+                for t in range(T):
+                    gK[c, i * T + t] = h * tK[c * T + T - 1 - t, i]
     return gx, gK, gb
 
 
@@ -755,6 +777,19 @@ def conv_vjp_params(gy, deriv, x, h):
     return _conv_vjp_call(gy, deriv, x, K, h, False, False, True)[1:]
 
 
+def conv_sweep_forward(U, W, b, h, act, D):
+    """Numba: U[n+1] = U[n] + h sigma(conv3x3(U[n], W[n]) + b[n]) for n < len(W), in place, and
+    D[n] = sigma'(.) when D has length N (0: not stored); U (N+1, B, C, H, W) C-contiguous with
+    U[0] set. The single kernels' core writing straight into the stores (no copies)."""
+    nblk = _blocks()
+    want_d = D.shape[0] > 0
+    none = np.empty((0, 0, 0, 0), dtype=U.dtype)
+    with one_blas_thread():
+        for n in range(W.shape[0]):
+            _conv_forward_into(U[n], _kmat(W[n]), b[n], h, int(act), True, U[n + 1],
+                               D[n] if want_d else none, 2, tuple(U.shape[3:]), nblk)
+
+
 for _f, _ref in ((conv_forward, "conv_forward"), (conv_vjp_params, "conv_vjp_params"),
                  (conv_forward_deriv, "conv_forward_deriv"), (conv_deriv, "conv_deriv"),
                  (conv_vjp_input, "conv_vjp_input"), (conv_vjp, "conv_vjp")):
@@ -803,32 +838,40 @@ for _f in (conv3d_forward, conv3d_forward_deriv, conv3d_deriv, conv3d_vjp_input,
 # ------------------------------------------------------------------------------ pooling, loss
 @njit(cache=True)
 def _avgpool_forward(u, p):
+    """Mean over each of the p x p cells of u (B, C, H, W) -> (B, C, p, p): every cell summed
+    row segment by row segment in float64 (:func:`_sum64`, SIMD), then scaled."""
     B, C, H, Wd = u.shape
     ph, pw = H // p, Wd // p
-    out = np.zeros((B, C, p, p), dtype=u.dtype)
-    scale = u.dtype.type(1.0 / (ph * pw))
+    out = np.empty((B, C, p, p), dtype=u.dtype)
+    scale = 1.0 / (ph * pw)
     for bi in range(B):
         for c in range(C):
-            for yy in range(H):
-                for xx in range(Wd):
-                    out[bi, c, yy // ph, xx // pw] += u[bi, c, yy, xx]
             for i in range(p):
                 for j in range(p):
-                    out[bi, c, i, j] *= scale
+                    t = 0.0
+                    for yy in range(i * ph, (i + 1) * ph):
+                        t += _sum64(u[bi, c, yy, j * pw:(j + 1) * pw])
+                    out[bi, c, i, j] = t * scale
     return out
 
 
 @njit(cache=True)
 def _avgpool_vjp(g, H, Wd):
+    """The cotangent of :func:`_avgpool_forward`: every element of a cell gets g / cell size
+    (row segments filled with one value: unit-stride loops)."""
     B, C, p, _ = g.shape
     ph, pw = H // p, Wd // p
     out = np.empty((B, C, H, Wd), dtype=g.dtype)
     scale = g.dtype.type(1.0 / (ph * pw))
     for bi in range(B):
         for c in range(C):
-            for yy in range(H):
-                for xx in range(Wd):
-                    out[bi, c, yy, xx] = g[bi, c, yy // ph, xx // pw] * scale
+            for i in range(p):
+                for yy in range(i * ph, (i + 1) * ph):
+                    row = out[bi, c, yy]
+                    for j in range(p):
+                        v = g[bi, c, i, j] * scale
+                        for xx in range(j * pw, (j + 1) * pw):
+                            row[xx] = v
     return out
 
 

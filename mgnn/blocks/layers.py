@@ -227,6 +227,12 @@ class ConvStep(_StepKind):
         """(B, C, H, W)."""
         return (batch, self.channels) + self.image_size
 
+    def sweep_forward(self, W, b, U, h, D, bk):
+        sweep = getattr(bk, "conv_sweep_forward", None)  # in place, where the backend has it
+        if sweep is None or not (U.flags.c_contiguous and D.flags.c_contiguous):
+            return super().sweep_forward(W, b, U, h, D, bk)
+        sweep(U, W, b, h, self.act, D)
+
 
 class _Opening:
     """Shared code of the opening kinds: u_0 = sigma(A x + a) with the kernels named below."""

@@ -23,8 +23,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SHAPES_2D = [(2, 3, 5, 7, 9), (1, 4, 4, 8, 8), (1, 1, 1, 1, 1), (3, 7, 7, 13, 1),
              (2, 5, 3, 40, 40), (1, 17, 17, 11, 12), (2, 40, 40, 20, 20), (1, 40, 40, 8, 70)]
 #: (B, Ci, Co, D, H, W): volumes of one chunk, a 1-voxel one, and one whose 7-row chunks cross
-#: its 6-row planes
-SHAPES_3D = [(2, 3, 5, 6, 7, 9), (1, 2, 2, 1, 1, 1), (1, 4, 3, 3, 2, 5), (2, 24, 24, 5, 6, 7)]
+#: its 5-row planes
+SHAPES_3D = [(2, 3, 5, 6, 7, 9), (1, 2, 2, 1, 1, 1), (1, 4, 3, 3, 2, 5), (2, 16, 16, 6, 5, 11)]
 
 
 def _case(rng, dtype, B, Ci, Co, *spatial):
@@ -76,13 +76,13 @@ def test_chunking_crosses_rows_and_planes():
     small = large = False
     for (B, Ci, Co, H, W) in SHAPES_2D:
         geo = NB._conv_geometry(2, (H, W))
-        if NB._rows_per_chunk(9 * Ci, Co, geo[1], H) < H:
+        if NB._rows_per_chunk(9 * Ci, Co, H, W, geo[0], geo[1], geo[2]) < H:
             small |= Co * 9 * Ci * geo[1] <= NB.CONV_SMALL_MNK
             large |= Co * 9 * Ci * geo[1] > NB.CONV_SMALL_MNK
     assert small and large, (small, large)
     B, Ci, Co, D, H, W = SHAPES_3D[-1]
     geo = NB._conv_geometry(3, (D, H, W))
-    rpc = NB._rows_per_chunk(27 * Ci, Co, geo[1], D * H)
+    rpc = NB._rows_per_chunk(27 * Ci, Co, D * H, W, geo[0], geo[1], geo[2])
     assert rpc < D * H and rpc % H, (rpc, D * H)  # several chunks, one ending mid-plane
 
 
