@@ -1036,6 +1036,10 @@ class LayerParallel:
             G = grads.group(m.step_prefix)
             sweep = getattr(m.step, "sweep_backward_layers", None)  # or one call for it all
             lam0 = None if sweep is None else sweep(steps, U, D, lam, m.h, bk, self.ctx, G)
+            if lam0 is None and isinstance(m.step, ComposedStep) and not m.step.shared:
+                for n in range(m.n_layers - 1, -1, -1):  # state and parameter vjps in one pass
+                    lam = m.step.vjp_layer(steps, n, U[n], D[n], lam, m.h, bk, self.ctx, G)
+                lam0 = lam
             if lam0 is None:
                 lams = [None] * m.n_layers + [lam]
                 for n in range(m.n_layers - 1, -1, -1):

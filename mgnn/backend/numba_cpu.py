@@ -567,7 +567,7 @@ def _fwd_row(zr, xr, yr, Dr, bc, h, act, residual):
             Dr[xx] = _dsig(zr[xx], act)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _conv_sample_forward(x, bi, Kmat, b, h, act, residual, offs, geo, xp, work, y, D):
     """y[bi] = [x[bi] +] h sigma(conv(x[bi]) + b) and D[bi] = sigma'(.) (each when non-empty);
     x, y, D seen as (B, C, rows, W)."""
@@ -591,7 +591,7 @@ def _conv_sample_forward(x, bi, Kmat, b, h, act, residual, offs, geo, xp, work, 
                 _fwd_row(zr, xr, yr, Dr, bc, h, 2, residual)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _conv_sample_vjp(sp, xp, bi, Kflip, h, residual, offs, geo, work, gy, gx, gKfT, gb,
                      want_input, want_params):
     """Of sample bi, from its padded cotangent sp (Co, Np) and padded input xp (Ci, Np): gx[bi]
@@ -686,11 +686,9 @@ def _conv_vjp_all(gy, deriv, x, Kmat, h, residual, want_input, want_params, nd, 
             _pad_flat(gy, deriv, bi, sp, True, geo[0], geo[1], geo[2], geo[3])
             if want_params:
                 _pad_flat(x, x, bi, xp, False, geo[0], geo[1], geo[2], geo[3])
-                _conv_sample_vjp(sp, xp, bi, Kflip, h, residual, offs, geo, work, gy, gx,
-                                 gKfTs[bi], gbs[bi], want_input, True)
-            else:
-                _conv_sample_vjp(sp, xp, bi, Kflip, h, residual, offs, geo, work, gy, gx,
-                                 gKf0, gb0, want_input, False)
+            _conv_sample_vjp(sp, xp, bi, Kflip, h, residual, offs, geo, work, gy, gx,
+                             gKfTs[bi] if want_params else gKf0,
+                             gbs[bi] if want_params else gb0, want_input, want_params)
     gK = np.zeros((Co, R), dtype=gy.dtype)
     gb = np.zeros(Co, dtype=gy.dtype)
     if want_params:
@@ -1059,6 +1057,17 @@ def _conv_out(x, e, h, zz, out, u, g, has_g, mode, act, adjoint):
     out[e] = _combine(out[e], old, u[e], g[e], has_g, mode)
 
 
+@njit(cache=True, inline="always")
+def _chain_row(xf, of, uf, gf, pf, zr, e0, bc, h, h2, act, has_g, mode, share, adjoint):
+    """One output row of a chain step (elements e0 .. e0 + len(zr) of the flattened channel)
+    by :func:`_conv_out`; with ``share`` also the h2 step plain into pf."""
+    for xx in range(zr.size):
+        zz = zr[xx] if adjoint else zr[xx] + bc
+        _conv_out(xf, e0 + xx, h, zz, of, uf, gf, has_g, mode, act, adjoint)
+        if share:
+            _conv_out(xf, e0 + xx, h2, zz, pf, pf, pf, False, 2, act, adjoint)
+
+
 @njit(cache=True)
 def _conv_planes(x, Kmat, bl, Dl, h, act, xp, work, out, u, g, has_g, mode, h2, p, share,
                  adjoint):
@@ -1079,12 +1088,18 @@ def _conv_planes(x, Kmat, bl, Dl, h, act, xp, work, out, u, g, has_g, mode, h2, 
             pf = p[bi, c].reshape(H * Wd)
             for r in range(H):
                 zr = z[c, r * RS:r * RS + Wd]
-                for xx in range(Wd):
-                    e = r * Wd + xx
-                    zz = zr[xx] if adjoint else zr[xx] + bc
-                    _conv_out(xf, e, h, zz, of, uf, gf, has_g, mode, act, adjoint)
-                    if share:
-                        _conv_out(xf, e, h2, zz, pf, pf, pf, False, 2, act, adjoint)
+                if adjoint:  # constant act / adjoint per loop: the branches fold
+                    _chain_row(xf, of, uf, gf, pf, zr, r * Wd, bc, h, h2, 2, has_g, mode,
+                               share, True)
+                elif act == 0:
+                    _chain_row(xf, of, uf, gf, pf, zr, r * Wd, bc, h, h2, 0, has_g, mode,
+                               share, False)
+                elif act == 1:
+                    _chain_row(xf, of, uf, gf, pf, zr, r * Wd, bc, h, h2, 1, has_g, mode,
+                               share, False)
+                else:
+                    _chain_row(xf, of, uf, gf, pf, zr, r * Wd, bc, h, h2, 2, has_g, mode,
+                               share, False)
 
 
 @njit(cache=True)
