@@ -2,7 +2,9 @@
 parameters and batch, timed side by side in one process. ``--model dense`` (default) is the dense
 ResNet of ``bench scaling``; ``--model conv`` a conv ResNet (relu or tanh, 3x3 convolutions on
 --image x --image inputs, or 3x3x3 on --image^3 volumes with --conv3d, --batch-norm for
-F = sigma(BN(conv(u)))), global average pooling and an affine closing.
+F = sigma(BN(conv(u)))), global average pooling and an affine closing; ``--model gru`` a stacked
+GRU over sequence time (``torch.nn.GRU``, batch first, h0 = 0: --hidden, --seq-len, --gru-layers,
+--features) with an affine map of the last hidden state to the logits.
 
 PyTorch is never a dependency of mgnn: run this in a benchmark environment that has both, e.g.
 
@@ -12,6 +14,8 @@ PyTorch is never a dependency of mgnn: run this in a benchmark environment that 
         --activation relu --dtype float32
     /tmp/torchenv/bin/python scripts/torch_baseline.py --model conv --channels 16 --layers 16 \\
         --batch-size 32 --image 28 --threads 1
+    /tmp/torchenv/bin/python scripts/torch_baseline.py --model gru --hidden 64 --seq-len 512 \
+        --gru-layers 2 --batch-size 32 --threads 1
 
 It first checks that both frameworks compute the same loss and gradient (so the times are of the
 same network: u_0 = sigma(x A^T + a), u_{n+1} = u_n + h sigma(u_n W_n^T + b_n), h = 1 / N, logits
@@ -32,12 +36,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 from mgnn.bench import time_samples  # noqa: E402
-from mgnn.network import LayerParallel, conv_resnet  # noqa: E402
+from mgnn.network import LayerParallel, conv_resnet, gru_classifier  # noqa: E402
 from mgnn.scaling import _problem  # noqa: E402
 
 #: Relative loss and gradient agreement that proves the two networks the same (float32: the
 #: sums run in other orders; float64: round-off of a 256-layer chain). Conv: a sum of 9 C terms
-#: per output and of B H W per kernel gradient, and relu kinks that round either way.
+#: per output and of B H W per kernel gradient, and relu kinks that round either way; GRU: a
+#: 512-step recurrence, gates summed in other orders.
 GRAD_RTOL = {"float32": 1e-4, "float64": 1e-10}
 CONV_GRAD_RTOL = {"float32": 1e-3, "float64": 1e-10}
 #: Batch norm's backward subtracts batch means (cancellation): float32 kernel gradients through
@@ -50,6 +55,8 @@ def torch_network(model, torch):
     parameters; calling it on x (B, ...) returns the logits (B, K)."""
     if model.config["model"] == "conv":
         return torch_conv_network(model, torch)
+    if model.config["model"] == "gru":
+        return torch_gru_network(model, torch)
     P = {k: torch.from_numpy(np.array(v)) for k, v in model.params.items()}
     act = {"tanh": torch.tanh, "relu": torch.relu}[model.config["activation"]]
     h = float(model.config["t_final"]) / model.n_layers
@@ -131,8 +138,36 @@ def torch_conv_network(model, torch):
     return ConvResNet()
 
 
+def torch_gru_network(model, torch):
+    """The GRU classifier of ``model`` (:func:`mgnn.network.gru_classifier`, cell 'gru') as
+    ``torch.nn.GRU`` (batch first, h0 = 0) and ``torch.nn.Linear`` on the last layer's last
+    hidden state, with a copy of its parameters (the same names and layouts)."""
+    cfg = model.config
+    P = {k: torch.from_numpy(np.array(v)) for k, v in model.params.items()}
+    dt = P["closing.weight"].dtype
+
+    class GRUClassifier(torch.nn.Module):
+        """mgnn's GRU classifier as PyTorch modules."""
+
+        def __init__(self):
+            super().__init__()
+            self.gru = torch.nn.GRU(cfg["in_features"], cfg["hidden"], cfg["n_layers"],
+                                    batch_first=True, dtype=dt)
+            self.closing = torch.nn.Linear(cfg["hidden"], cfg["n_classes"], dtype=dt)
+            with torch.no_grad():
+                for name, v in self.named_parameters():
+                    v.copy_(P[name])
+
+        def forward(self, x):
+            return self.closing(self.gru(x)[0][:, -1])
+
+    return GRUClassifier()
+
+
 def torch_grads(net):
     """The network's gradients under mgnn's parameter names, as float64 arrays."""
+    if hasattr(net, "gru"):
+        return {k: np.asarray(v.grad, dtype=np.float64) for k, v in net.named_parameters()}
     g = {"opening.weight": net.opening.weight.grad, "opening.bias": net.opening.bias.grad,
          "closing.weight": net.closing.weight.grad, "closing.bias": net.closing.bias.grad}
     g["steps.weight"] = np.stack([lin.weight.grad.numpy() for lin in net.steps])
@@ -181,6 +216,15 @@ def _network(args):
         return (model, x, y.astype(np.int64), cfg,
                 f"dense ResNet N={args.layers} w={args.width} B={args.batch_size} "
                 f"{args.dtype} {args.activation}")
+    if args.model == "gru":
+        model = gru_classifier(args.features, args.hidden, 10, args.seq_len,
+                               n_layers=args.gru_layers, dtype=args.dtype, seed=0)
+        rng = np.random.default_rng(0)
+        x = rng.standard_normal((args.batch_size, args.seq_len, args.features))
+        y = rng.integers(0, 10, args.batch_size).astype(np.int64)
+        return (model, x.astype(args.dtype), y, dict(model.config, batch=args.batch_size),
+                f"GRU H={args.hidden} L={args.seq_len} layers={args.gru_layers} "
+                f"I={args.features} B={args.batch_size} {args.dtype}")
     image = (args.image,) * (3 if args.conv3d else 2)
     cfg = dict(model="conv", n_layers=args.layers, channels=args.channels, image=list(image),
                batch=args.batch_size, dtype=args.dtype, activation=args.activation,
@@ -200,7 +244,7 @@ def run(args, torch, log=print):
     """Check, time and report; returns the result dict (also written to ``args.json``)."""
     model, x, y, cfg, name = _network(args)
     dloss, gerr = compare(model, x, y, torch)
-    tol = (BN_GRAD_RTOL if args.batch_norm else CONV_GRAD_RTOL if args.model == "conv"
+    tol = (BN_GRAD_RTOL if args.batch_norm else CONV_GRAD_RTOL if args.model in ("conv", "gru")
            else GRAD_RTOL)[args.dtype]
     log(f"{name}: relative loss difference {dloss:.2e}, largest relative gradient "
         f"error {gerr:.2e} (tolerance {tol:g})")
@@ -255,13 +299,17 @@ def run(args, torch, log=print):
 def parse_args(argv=None):
     """The command line (defaults: the performance issue's N=256, w=64, B=128, float32 relu)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", choices=["dense", "conv"], default="dense")
+    p.add_argument("--model", choices=["dense", "conv", "gru"], default="dense")
     p.add_argument("--layers", type=int, default=256)
     p.add_argument("--width", type=int, default=64, help="dense: state width")
     p.add_argument("--channels", type=int, default=16, help="conv: state channels")
     p.add_argument("--image", type=int, default=28, help="conv: image (or volume) side")
     p.add_argument("--conv3d", action="store_true", help="conv: 3x3x3 on --image^3 volumes")
     p.add_argument("--batch-norm", action="store_true", help="conv: sigma(BN(conv(u)))")
+    p.add_argument("--hidden", type=int, default=64, help="gru: hidden size")
+    p.add_argument("--seq-len", type=int, default=512, help="gru: time steps")
+    p.add_argument("--gru-layers", type=int, default=2, help="gru: stacked layers")
+    p.add_argument("--features", type=int, default=1, help="gru: input features per step")
     p.add_argument("--threads", default=None,
                    help="comma-separated thread counts to time, each for both (default: 1 "
                         "and PyTorch's default count beside mgnn's threads='auto')")
@@ -273,7 +321,7 @@ def parse_args(argv=None):
                    help="seconds per sample (default 0.2)")
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
-    if args.model == "dense" and (args.conv3d or args.batch_norm):
+    if args.model != "conv" and (args.conv3d or args.batch_norm):
         p.error("--conv3d and --batch-norm are for --model conv")
     if args.threads is not None:
         try:
@@ -282,9 +330,12 @@ def parse_args(argv=None):
             p.error(f"--threads must be comma-separated integers, got {args.threads!r}")
         if not args.threads or args.threads[0] < 1:
             p.error(f"--threads must be >= 1, got {args.threads}")
-    for flag in ("layers", "width", "channels", "image", "batch_size", "rounds"):
+    for flag in ("layers", "width", "channels", "image", "batch_size", "rounds", "hidden",
+                 "gru_layers", "features"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.seq_len < 2:
+        p.error(f"--seq-len must be >= 2 (a sequence), got {args.seq_len}")
     if not args.min_time > 0:
         p.error(f"--min-time must be > 0, got {args.min_time}")
     return args

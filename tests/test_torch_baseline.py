@@ -87,3 +87,29 @@ def test_pytorch_computes_mgnn_conv_step():
         model, x, y, _, _ = tb._network(args)
         dloss, err = tb.compare(model, x, y, torch)
         assert dloss < 1e-13 and err < 1e-10, (extra, dloss, err)
+
+
+def test_gru_flags_and_network(capsys):
+    """--model gru builds mgnn's stacked GRU classifier of the flags; bad flags are named."""
+    args = tb.parse_args(["--model", "gru", "--hidden", "5", "--seq-len", "7", "--gru-layers",
+                          "2", "--features", "3", "--batch-size", "4", "--dtype", "float64"])
+    model, x, y, cfg, desc = tb._network(args)
+    assert x.shape == (4, 7, 3) and x.dtype == np.float64 and y.dtype == np.int64
+    assert model.params["gru.weight_hh_l1"].shape == (15, 5) and model.n_layers == 7
+    assert cfg["batch"] == 4 and "GRU H=5 L=7 layers=2" in desc
+    for argv, message in ((["--model", "gru", "--seq-len", "1"], "--seq-len must be >= 2"),
+                          (["--model", "gru", "--hidden", "0"], "--hidden must be >= 1"),
+                          (["--model", "gru", "--batch-norm"], "are for --model conv")):
+        with pytest.raises(SystemExit):
+            tb.parse_args(argv)
+        assert message in capsys.readouterr().err
+
+
+def test_pytorch_computes_mgnn_gru_step():
+    """The GRU classifier: loss and gradients agree with torch.nn.GRU (float64)."""
+    torch = pytest.importorskip("torch")
+    args = tb.parse_args(["--model", "gru", "--hidden", "6", "--seq-len", "9", "--gru-layers",
+                          "2", "--features", "2", "--batch-size", "3", "--dtype", "float64"])
+    model, x, y, _, _ = tb._network(args)
+    dloss, err = tb.compare(model, x, y, torch)
+    assert dloss < 1e-13 and err < 1e-10, (dloss, err)

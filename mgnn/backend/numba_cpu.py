@@ -349,30 +349,36 @@ for _f, _ref in ((dense_forward, "dense_forward"), (dense_forward_deriv, "dense_
 # ---------------------------------------------------------------------------------------- conv
 # 2D (3x3) and 3D (3x3x3) convolutions share one core: implicit GEMM over a flat padded layout.
 # A sample (C, rows, W) -- 2D: rows = H; 3D: rows = D H, the (B, C, D, H, W) state seen as
-# (B, C, D H, W) -- is zero-padded by 1 and stored flat, xp (C, Np): row stride RS = W + 2,
-# plane stride PS = (H + 2) RS (3D), Np = (H + 2) RS (2D) or (D + 2) PS (3D). Output row r
+# (B, C, D H, W) -- is zero-padded by 1 and stored flat, xp (C, Np): row stride RS = W + 1
+# (one zero column between rows serves as the right border of one and the left of the next),
+# plane stride PS = (H + 2) RS (3D), Np = (H + 2) RS + 1 (2D) or (D + 2) PS + 1 (3D: the last
+# tap of the last output reads one past the bottom border). Output row r
 # (plane r // H, row r % H) starts at run position j = (r // H) PS + (r % H) RS, and tap t
 # reads xp[c, offs[t] + j + x] (offs: dy RS + dx, or dz PS + dy RS + dx: every index a
 # non-negative loop counter). The run between two rows crosses only border positions, which are
-# computed and dropped. A chunk of rows is unfolded into col (C T, lc) by T contiguous copies per
-# channel (im2col of a flat layout: no index arithmetic per element) and multiplied by the weight
-# matrix in one BLAS GEMM (called directly, :func:`_gemm`, so that outputs and operands can be
-# strided views), the bias / activation / residual / derivative epilogue fused into the pass
-# that writes the outputs:
-#   forward      z (Co, L) = K (Co, Ci T) @ col(x), chunk by chunk into the sample's run
-#   input vjp    z (Ci, L) = Kflip (Ci, Co T) @ col(s), Kflip: K transposed, taps reversed
-#   kernel grad  gK^T (Ci T, Co) += col(x) @ S^T, S (Co, lc) the run of the padded cotangent
-#                read in place (leading dimension Np), accumulated by the GEMM (beta 1)
-# Chunks are sized for OpenBLAS: up to CONV_SMALL_MNK multiply-adds per GEMM its small-matrix
-# kernels run without packing (~105 GFLOP/s here against 55-70 packed at C = 16-32); larger
-# ones take ~CONV_RUN positions. They are a function of the shapes alone; every path (single
-# kernels, sweeps, stacked chains, captured tapes, shared steps) runs a sample through the same
-# functions, so their results agree bit for bit. Threads work on blocks of samples with one BLAS
-# thread each; the kernel gradient is summed per sample and then over samples in order: the same
-# bits for any thread count.
+# computed and dropped. The taps run as BLAS GEMMs (called directly, :func:`_gemm`, with
+# leading dimensions, so that operands and outputs are strided views), grouped by
+# :func:`_tap_groups`: up to CONV_GROUP_C channels the taps of a row (2D: the 3 dx; 3D: the 9
+# dz, dx) are unfolded into col (G C, lc + 2 RS) (:func:`_im2col`) and run as 3 GEMMs with
+# K = G C, shifted by dy RS (K = C GEMMs measured 5-15 % slower there); above it every tap is
+# one GEMM straight on the padded layout (no copy; unfolding measured 16 % slower at C 64).
+# The GEMMs of a chunk of output rows accumulate into the same z chunk (beta 1); the bias /
+# activation / residual / derivative epilogue is fused into one pass that writes the outputs:
+#   forward      z (Co, L) = sum_t K_t (Co, Ci) @ xp[:, offs[t] + j], K_t = K[:, :, t]
+#   input vjp    z (Ci, L) = sum_t Kf_t (Ci, Co) @ sp[:, offs[t] + j], Kf_t = K_{T-1-t}^T (the
+#                transposed convolution as a correlation: offs[T-1-t] = 2 q0 - offs[t])
+#   kernel grad  gK_t (Co, Ci) += S (Co, lc) @ X_t^T per tap, S the run of the padded
+#                cotangent sp from q0, X_t that of xp from offs[t], both read in place
+# Chunks: one tap a group, about CONV_TILE elements of z (in L1 across the chunk's GEMMs);
+# unfolded groups, GEMMs within CONV_SMALL_MNK multiply-adds (OpenBLAS's unpacked small-matrix
+# kernels: ~105 GFLOP/s here against 40-60 packed). They are a function of the shapes alone;
+# every path (single kernels, sweeps, stacked chains, captured tapes, shared steps) runs a
+# sample through the same functions, so their results agree bit for bit. Threads work on
+# blocks of samples with one BLAS thread each; the kernel gradient is summed per sample and
+# then over samples in order: the same bits for any thread count.
+CONV_TILE = 8192  #: elements of a chunk of z (channels x run positions): 32 KiB float32
 CONV_SMALL_MNK = 1_000_000  #: GEMMs up to this size take OpenBLAS's unpacked small kernels
-CONV_RUN = 448  #: run positions of a chunk whose GEMM is larger than that
-CONV_CHUNK = 1 << 18  #: most elements of one chunk's col (1 MiB float32, 2 MiB float64)
+CONV_GROUP_C = 32  #: up to this many channels, a row's taps are unfolded (larger K per GEMM)
 
 
 def _gemm_signature(dt):
@@ -419,13 +425,14 @@ def _row_start(r, Hpl, RS, PS):
 @njit(cache=True)
 def _conv_geometry(nd, shape):
     """(Hpl, RS, PS, q0, Np) of the flat padded layout of a sample of spatial ``shape``: (H, W)
-    for nd = 2, (D, H, W) for nd = 3; q0 is the padded position of output (0, 0[, 0])."""
+    for nd = 2, (D, H, W) for nd = 3; q0 is the padded position of output (0, 0[, 0]). Rows
+    share their zero border column (RS = W + 1): 1/W extra work in the run, not 2/W."""
     Hpl, Wd = shape[nd - 2], shape[nd - 1]
-    RS = Wd + 2
+    RS = Wd + 1
     PS = (Hpl + 2) * RS
     if nd == 2:
-        return Hpl, RS, PS, RS + 1, PS
-    return Hpl, RS, PS, PS + RS + 1, (shape[0] + 2) * PS
+        return Hpl, RS, PS, RS + 1, PS + 1
+    return Hpl, RS, PS, PS + RS + 1, (shape[0] + 2) * PS + 1
 
 
 @njit(cache=True)
@@ -449,6 +456,30 @@ def _chunk(k, rpc, nrows, Wd, Hpl, RS, PS):
 
 
 @njit(cache=True)
+def _tap_groups(nd, RS, PS, C):
+    """(go (G,), oo (O,), tmap (O, G)) int64 for C = the larger channel count: tap tmap[o, g]
+    reads at oo[o] + go[g] (its offset). Up to CONV_GROUP_C channels the taps of a row (2D: G 3,
+    dx; 3D: G 9, dz and dx) are unfolded by :func:`_im2col` and run as K = G C GEMMs shifted by
+    oo = dy RS; above it every tap is one GEMM straight on the padded sample (G 1, oo = the
+    offsets)."""
+    T = 9 if nd == 2 else 27
+    if C > CONV_GROUP_C:
+        return (np.zeros(1, dtype=np.int64), _conv_offsets(nd, RS, PS),
+                np.arange(T).reshape((T, 1)))
+    G = T // 3
+    go = np.empty(G, dtype=np.int64)
+    oo = np.empty(3, dtype=np.int64)
+    tmap = np.empty((3, G), dtype=np.int64)
+    for dy in range(3):
+        oo[dy] = dy * RS
+        for dz in range(T // 9):
+            for dx in range(3):
+                go[dz * 3 + dx] = dz * PS + dx
+                tmap[dy, dz * 3 + dx] = dz * 9 + dy * 3 + dx
+    return go, oo, tmap
+
+
+@njit(cache=True)
 def _max_chunk(rpc, nrows, Wd, Hpl, RS, PS):
     """The longest run of a chunk of rpc rows (one that crosses planes also spans their border
     rows)."""
@@ -459,27 +490,40 @@ def _max_chunk(rpc, nrows, Wd, Hpl, RS, PS):
 
 
 @njit(cache=True)
-def _rows_per_chunk(R, Co, nrows, Wd, Hpl, RS, PS):
-    """Output rows per chunk of a GEMM with inner size R (channels x taps) and Co outputs:
-    every chunk within CONV_SMALL_MNK multiply-adds if one row is (a chunk that crosses planes
-    is longer than its rows), else about CONV_RUN positions; at most CONV_CHUNK elements of
-    col."""
-    cap = max(1, min(nrows, CONV_CHUNK // (R * RS)))
-    if Co * R * RS > CONV_SMALL_MNK:
-        return max(1, min(cap, CONV_RUN // RS))
-    rows = max(1, min(cap, CONV_SMALL_MNK // (Co * R * RS)))
-    while rows > 1 and Co * R * _max_chunk(rows, nrows, Wd, Hpl, RS, PS) > CONV_SMALL_MNK:
+def _tile_rows(C, nrows, RS):
+    """Output rows per chunk of C channels' run positions: about CONV_TILE elements."""
+    return max(1, min(nrows, CONV_TILE // (C * RS)))
+
+
+@njit(cache=True)
+def _small_rows(MN, nrows, Wd, Hpl, RS, PS):
+    """Output rows per chunk whose GEMMs (M N = MN, K or N = the chunk's run) stay within
+    CONV_SMALL_MNK multiply-adds, OpenBLAS's unpacked small-matrix kernels, counting the real
+    length of chunks that cross planes."""
+    rows = max(1, min(nrows, CONV_SMALL_MNK // (MN * RS)))
+    while rows > 1 and MN * _max_chunk(rows, nrows, Wd, Hpl, RS, PS) > CONV_SMALL_MNK:
         rows -= 1
     return rows
 
 
 @njit(cache=True)
-def _conv_work(R, Co, geo, nrows, Wd, dtype_of):
-    """A 1-D scratch holding one chunk's col (R, lc) and the sample's GEMM result (Co, L)."""
-    lc = _max_chunk(_rows_per_chunk(R, Co, nrows, Wd, geo[0], geo[1], geo[2]), nrows, Wd,
-                    geo[0], geo[1], geo[2])
+def _chunk_plan(Co, Ci, go, oo, nrows, Wd, Hpl, RS, PS):
+    """(rows per chunk, width of the unfolded chunk: 0 for one tap a group) of a convolution
+    between Co and Ci channels (the same for its forward, input vjp and kernel gradient)."""
+    G = go.size
+    if G == 1:
+        return _tile_rows(max(Co, Ci), nrows, RS), 0
+    rpc = _small_rows(Co * Ci * G, nrows, Wd, Hpl, RS, PS)
+    return rpc, _max_chunk(rpc, nrows, Wd, Hpl, RS, PS) + oo[oo.size - 1]
+
+
+@njit(cache=True)
+def _conv_work(Co, Ci, go, oo, geo, nrows, Wd, dtype_of):
+    """A 1-D scratch for a convolution with Co outputs: the sample's GEMM result z (Co, L) and,
+    for grouped taps, room for an unfolded chunk of either side ((Co + Ci) G rows)."""
+    Wc = _chunk_plan(Co, Ci, go, oo, nrows, Wd, geo[0], geo[1], geo[2])[1]
     L = _row_start(nrows - 1, geo[0], geo[1], geo[2]) + Wd
-    return np.empty(R * lc + Co * L, dtype=dtype_of.dtype)
+    return np.empty(Co * L + (Co + Ci) * go.size * Wc, dtype=dtype_of.dtype)
 
 
 @njit(cache=True, inline="always")
@@ -495,45 +539,60 @@ def _pad_flat(x, d, bi, xp, times_d, Hpl, RS, PS, q0):
 
 
 @njit(cache=True)
-def _im2col(xp, offs, j0, lc, col):
-    """col[c T + t, j] = xp[c, offs[t] + j0 + j], j < lc: T contiguous copies per channel."""
-    T = offs.size
+def _im2col(xp, go, j0, n, col):
+    """col[c G + g, :n] = xp[c, go[g] + j0:go[g] + j0 + n]: G contiguous copies per channel."""
+    G = go.size
     for c in range(xp.shape[0]):
-        for t in range(T):
-            src = xp[c, offs[t] + j0:offs[t] + j0 + lc]
-            dst = col[c * T + t]
-            for j in range(lc):
+        for g in range(G):
+            src = xp[c, go[g] + j0:go[g] + j0 + n]
+            dst = col[c * G + g]
+            for j in range(n):
                 dst[j] = src[j]
 
 
 @njit(cache=True)
-def _conv_run(xp, Kmat, offs, nrows, Wd, Hpl, RS, PS, work):
-    """z (Co, L) = Kmat (Co, C T) @ col(xp) over the sample's whole run, chunk by chunk (col
-    and z in ``work``); returns z."""
-    R, Co = Kmat.shape[1], Kmat.shape[0]
+def _conv_run(xp, Kg, go, oo, nrows, Wd, Hpl, RS, PS, work):
+    """z (Co, L) = sum over taps of K_t (Co, Ci) @ xp[:, offs[t] + j] over the sample's whole
+    run, xp (Ci, Np) C-contiguous, Kg (O, Co, Ci G) the grouped taps (:func:`_ktaps`): O GEMMs
+    per chunk accumulated in place, straight on xp (G 1) or on the chunk unfolded into col
+    (Ci G, Wc) (z and col in ``work``); returns z."""
+    O, Co, R = Kg.shape
+    G = go.size
     L = _row_start(nrows - 1, Hpl, RS, PS) + Wd
-    rpc = _rows_per_chunk(R, Co, nrows, Wd, Hpl, RS, PS)
-    lcm = _max_chunk(rpc, nrows, Wd, Hpl, RS, PS)
-    z = work[R * lcm:R * lcm + Co * L]
+    Np = xp.shape[1]
+    rpc, Wc = _chunk_plan(Co, R // G, go, oo, nrows, Wd, Hpl, RS, PS)
+    z = work[:Co * L]
+    col = work[Co * L:Co * L + R * Wc]
+    src, ld = (xp.reshape(xp.size), Np) if G == 1 else (col, Wc)
     for k in range((nrows + rpc - 1) // rpc):
         _, _, j0, lc = _chunk(k, rpc, nrows, Wd, Hpl, RS, PS)
-        col = work[:R * lc].reshape((R, lc))
-        _im2col(xp, offs, j0, lc, col)
-        _gemm(110, 110, Co, lc, R, 1.0, Kmat.reshape(Co * R), R, col.reshape(R * lc), lc, 0.0,
-              z[j0:], L)
+        if G > 1:
+            _im2col(xp, go, j0, lc + oo[O - 1], col.reshape((R, Wc)))
+        base = j0 if G == 1 else 0
+        for o in range(O):
+            _gemm(110, 110, Co, lc, R, 1.0, Kg[o].reshape(Co * R), R, src[oo[o] + base:], ld,
+                  0.0 if o == 0 else 1.0, z[j0:], L)
     return z.reshape((Co, L))
 
 
 @njit(cache=True)
-def _kflip(Kmat, T):
-    """Kmat (Co, Ci T) -> (Ci, Co T), taps reversed: the transposed convolution as a
-    correlation with it."""
+def _ktaps(Kmat, tmap, flip):
+    """Kmat (Co, Ci T) -> the grouped taps (O, Co, Ci G), [o, co, ci G + g] = K[co, ci,
+    tmap[o, g]]; with ``flip`` (O, Ci, Co G), [o, ci, co G + g] = K[co, ci, T-1-tmap[o, g]]:
+    the transposed convolution as a correlation with them."""
+    O, G = tmap.shape
+    T = O * G
     Co, Ci = Kmat.shape[0], Kmat.shape[1] // T
-    out = np.empty((Ci, Co * T), dtype=Kmat.dtype)
-    for i in range(Ci):
-        for o in range(Co):
-            for t in range(T):
-                out[i, o * T + t] = Kmat[o, i * T + T - 1 - t]
+    out = np.empty((O, Ci, Co * G) if flip else (O, Co, Ci * G), dtype=Kmat.dtype)
+    for o in range(O):
+        for g in range(G):
+            t = tmap[o, g]
+            for co in range(Co):
+                for ci in range(Ci):
+                    if flip:
+                        out[o, ci, co * G + g] = Kmat[co, ci * T + T - 1 - t]
+                    else:
+                        out[o, co, ci * G + g] = Kmat[co, ci * T + t]
     return out
 
 
@@ -549,38 +608,37 @@ def _sum64(a):
 
 @njit(cache=True, inline="always")
 def _fwd_row(zr, xr, yr, Dr, bc, h, act, residual):
-    """One output row: zr += bc, then yr = [xr +] h sigma(zr) and Dr = sigma'(zr), each when
-    non-empty. x + h sigma is evaluated in float64 and rounded once, as the chain epilogue
-    (:func:`_conv_out`) does: sigma's type may differ between a constant and a variable act
-    (branch pruning), float64 arithmetic on its value does not, so the bits agree."""
+    """One output row in one pass: v = zr + bc, yr = [xr +] h sigma(v) and Dr = sigma'(v), each
+    when non-empty (the flags are loop-invariant: the loop is unswitched and vectorises). x + h
+    sigma is evaluated in float64 and rounded once, as the chain epilogue (:func:`_conv_out`)
+    does: sigma's type may differ between a constant and a variable act (branch pruning),
+    float64 arithmetic on its value does not, so the bits agree."""
+    want_y, want_d = yr.size > 0, Dr.size > 0
     for xx in range(zr.size):
-        zr[xx] = zr[xx] + bc
-    if yr.size:
-        if residual:
-            for xx in range(zr.size):
-                yr[xx] = xr[xx] + h * np.float64(_sig(zr[xx], act))
-        else:
-            for xx in range(zr.size):
-                yr[xx] = h * np.float64(_sig(zr[xx], act))
-    if Dr.size:
-        for xx in range(zr.size):
-            Dr[xx] = _dsig(zr[xx], act)
+        v = zr[xx] + bc
+        if want_y:
+            if residual:
+                yr[xx] = xr[xx] + h * np.float64(_sig(v, act))
+            else:
+                yr[xx] = h * np.float64(_sig(v, act))
+        if want_d:
+            Dr[xx] = _dsig(v, act)
 
 
 @njit(cache=True)
-def _conv_sample_forward(x, bi, Kmat, b, h, act, residual, offs, geo, xp, work, y, D):
+def _conv_sample_forward(x, bi, Kt, b, h, act, residual, go, oo, geo, xp, work, y, D):
     """y[bi] = [x[bi] +] h sigma(conv(x[bi]) + b) and D[bi] = sigma'(.) (each when non-empty);
     x, y, D seen as (B, C, rows, W)."""
     Hpl, RS, PS, q0 = geo[0], geo[1], geo[2], geo[3]
     nrows, Wd = x.shape[2], x.shape[3]
     _pad_flat(x, x, bi, xp, False, Hpl, RS, PS, q0)
-    z = _conv_run(xp, Kmat, offs, nrows, Wd, Hpl, RS, PS, work)
-    for c in range(Kmat.shape[0]):
+    z = _conv_run(xp, Kt, go, oo, nrows, Wd, Hpl, RS, PS, work)
+    for c in range(Kt.shape[1]):
         bc = b[c]
         for r in range(nrows):
             start = _row_start(r, Hpl, RS, PS)
             zr = z[c, start:start + Wd]
-            xr = x[bi, c, r] if x.shape[1] == Kmat.shape[0] else zr
+            xr = x[bi, c, r] if x.shape[1] == Kt.shape[1] else zr
             yr = y[bi, c, r] if y.shape[0] else zr[:0]
             Dr = D[bi, c, r] if D.shape[0] else zr[:0]
             if act == 0:  # a constant act per loop: its branches fold, the loops vectorise
@@ -592,41 +650,35 @@ def _conv_sample_forward(x, bi, Kmat, b, h, act, residual, offs, geo, xp, work, 
 
 
 @njit(cache=True)
-def _conv_sample_vjp(sp, xp, bi, Kflip, h, residual, offs, geo, work, gy, gx, gKfT, gb,
+def _conv_sample_vjp(sp, xp, bi, Kf, h, residual, go, oo, offs, geo, work, gy, gx, gKt, gb,
                      want_input, want_params):
     """Of sample bi, from its padded cotangent sp (Co, Np) and padded input xp (Ci, Np): gx[bi]
-    = [gy[bi] +] h conv^T(s) (``want_input``), and (``want_params``) gKfT (Co T, Ci) = col(s)
-    @ X^T, X (Ci, lc) the run of xp read in place, and gb (Co,) float64 = sum of s. One
-    im2col of s serves both GEMMs: gK[o, i, t] = sum_j s[o, j] x[i, j + offs[t] - q0] =
-    gKfT[o T + T-1-t, i], since offs[T-1-t] = 2 q0 - offs[t]."""
+    = [gy[bi] +] h conv^T(s) (``want_input``; Kf (O, Ci, Co G) the flipped grouped taps), and
+    (``want_params``) gKt (T, Co, Ci) = S @ X_t^T per tap, S the run of sp from q0 and X_t that
+    of xp from offs[t], both read in place (gK[co, ci, t] = sum_j s[co, q0 + j] x[ci, offs[t] +
+    j]; unfolded taps measured slower here: OpenBLAS's small kernels for A B^T), in chunks as
+    long as the small kernels take (17 % faster than L1-sized ones at C 32), and gb (Co,)
+    float64 = sum of s (its border positions are zero)."""
     Hpl, RS, PS, q0, Np = geo[0], geo[1], geo[2], geo[3], geo[4]
     nrows, Wd = gy.shape[2], gy.shape[3]
-    Ci, R, Co = Kflip.shape[0], Kflip.shape[1], sp.shape[0]
-    L = _row_start(nrows - 1, Hpl, RS, PS) + Wd
-    rpc = _rows_per_chunk(R, Ci, nrows, Wd, Hpl, RS, PS)
-    lcm = _max_chunk(rpc, nrows, Wd, Hpl, RS, PS)
-    z = work[R * lcm:R * lcm + Ci * L]
-    xpf = xp.reshape(xp.size)
+    Ci, Co = Kf.shape[1], sp.shape[0]
     if want_params:
         gb[:] = 0
-    for k in range((nrows + rpc - 1) // rpc):
-        _, _, j0, lc = _chunk(k, rpc, nrows, Wd, Hpl, RS, PS)
-        col = work[:R * lc].reshape((R, lc))
-        _im2col(sp, offs, j0, lc, col)
-        if want_input:
-            _gemm(110, 110, Ci, lc, R, 1.0, Kflip.reshape(Ci * R), R, col.reshape(R * lc), lc,
-                  0.0, z[j0:], L)
-        if want_params:
-            for c in range(Co):  # the run of s: its border positions are zero
+        spf, xpf = sp.reshape(sp.size), xp.reshape(xp.size)
+        rpc = _small_rows(Co * Ci, nrows, Wd, Hpl, RS, PS)  # long K: measured fastest
+        for k in range((nrows + rpc - 1) // rpc):
+            _, _, j0, lc = _chunk(k, rpc, nrows, Wd, Hpl, RS, PS)
+            for c in range(Co):
                 gb[c] += _sum64(sp[c, q0 + j0:q0 + j0 + lc])
-            _gemm(110, 116, R, Ci, lc, 1.0, col.reshape(R * lc), lc, xpf[q0 + j0:], Np,
-                  0.0 if k == 0 else 1.0, gKfT.reshape(R * Ci), Ci)
+            for t in range(offs.size):
+                _gemm(110, 116, Co, Ci, lc, 1.0, spf[q0 + j0:], Np, xpf[offs[t] + j0:], Np,
+                      0.0 if k == 0 else 1.0, gKt[t].reshape(Co * Ci), Ci)
     if want_input:
-        zz = z.reshape((Ci, L))
+        z = _conv_run(sp, Kf, go, oo, nrows, Wd, Hpl, RS, PS, work)
         for c in range(Ci):
             for r in range(nrows):
                 start = _row_start(r, Hpl, RS, PS)
-                zr, gr, gyr = zz[c, start:start + Wd], gx[bi, c, r], gy[bi, c, r]
+                zr, gr, gyr = z[c, start:start + Wd], gx[bi, c, r], gy[bi, c, r]
                 if residual:
                     for xx in range(Wd):
                         gr[xx] = gyr[xx] + h * zr[xx]
@@ -642,13 +694,14 @@ def _conv_forward_into(x, Kmat, b, h, act, residual, y, D, nd, shape, nblk):
     samples on Numba's threads (:func:`_blocks`; the bits do not depend on it)."""
     B, Co = x.shape[0], Kmat.shape[0]
     geo = _conv_geometry(nd, shape)
-    offs = _conv_offsets(nd, geo[1], geo[2])
+    go, oo, tmap = _tap_groups(nd, geo[1], geo[2], max(Co, x.shape[1]))
+    Kt = _ktaps(Kmat, tmap, False)
     nblk = max(1, min(B, nblk))
     for blk in prange(nblk):  # a block of samples per thread: its scratch allocated once
         xp = np.zeros((x.shape[1], geo[4]), dtype=x.dtype)
-        work = _conv_work(Kmat.shape[1], Co, geo, x.shape[2], x.shape[3], x)
+        work = _conv_work(Co, x.shape[1], go, oo, geo, x.shape[2], x.shape[3], x)
         for bi in range(blk * B // nblk, (blk + 1) * B // nblk):
-            _conv_sample_forward(x, bi, Kmat, b, h, act, residual, offs, geo, xp, work, y, D)
+            _conv_sample_forward(x, bi, Kt, b, h, act, residual, go, oo, geo, xp, work, y, D)
 
 
 @njit(cache=True)
@@ -662,49 +715,62 @@ def _conv_forward_all(x, Kmat, b, h, act, residual, want_y, want_deriv, nd, shap
 
 
 @njit(cache=True, parallel=True)
-def _conv_vjp_all(gy, deriv, x, Kmat, h, residual, want_input, want_params, nd, shape, nblk):
-    """(gx, gK (Co, Ci T), gb (Co,)) of every sample (each when wanted), s = deriv * gy:
-    blocks of samples on threads, gK and gb summed over samples in order."""
+def _conv_vjp_into(gy, deriv, x, Kmat, h, residual, want_input, want_params, nd, shape, nblk,
+                   gx, gK, gb):
+    """gx (B, Ci, rows, W) [= gy +] h conv^T(s) (``want_input``), gK (Co, Ci T) and gb (Co,)
+    (``want_params``) of every sample into the given arrays, s = deriv * gy: blocks of samples on threads, gK and
+    gb summed over samples in order."""
     B, Co, nrows, Wd = gy.shape
     T = 9 if nd == 2 else 27
     Ci = Kmat.shape[1] // T
-    R = Ci * T
     geo = _conv_geometry(nd, shape)
+    go, oo, tmap = _tap_groups(nd, geo[1], geo[2], max(Co, Ci))
     offs = _conv_offsets(nd, geo[1], geo[2])
-    Kflip = _kflip(Kmat, T)
-    gx = np.empty((B, Ci, nrows, Wd) if want_input else (0, 0, 0, 0), dtype=gy.dtype)
-    gKfTs = np.empty((B if want_params else 0, Co * T, Ci), dtype=gy.dtype)
+    Kf = _ktaps(Kmat, tmap, True)
+    gKts = np.empty((B if want_params else 0, T, Co, Ci), dtype=gy.dtype)
     gbs = np.empty((B if want_params else 0, Co))
     nblk = max(1, min(B, nblk))
     for blk in prange(nblk):  # a block of samples per thread: its scratch allocated once
         sp = np.zeros((Co, geo[4]), dtype=gy.dtype)
         xp = np.zeros((Ci if want_params else 0, geo[4]), dtype=gy.dtype)
-        work = _conv_work(Co * T, Ci, geo, nrows, Wd, gy)
-        gKf0 = np.empty((0, Ci), dtype=gy.dtype)
+        work = _conv_work(Ci, Co, go, oo, geo, nrows, Wd, gy)
+        gKt0 = np.empty((0, Co, Ci), dtype=gy.dtype)
         gb0 = np.empty(0)
         for bi in range(blk * B // nblk, (blk + 1) * B // nblk):
             _pad_flat(gy, deriv, bi, sp, True, geo[0], geo[1], geo[2], geo[3])
             if want_params:
                 _pad_flat(x, x, bi, xp, False, geo[0], geo[1], geo[2], geo[3])
-            _conv_sample_vjp(sp, xp, bi, Kflip, h, residual, offs, geo, work, gy, gx,
-                             gKfTs[bi] if want_params else gKf0,
+            _conv_sample_vjp(sp, xp, bi, Kf, h, residual, go, oo, offs, geo, work, gy, gx,
+                             gKts[bi] if want_params else gKt0,
                              gbs[bi] if want_params else gb0, want_input, want_params)
-    gK = np.zeros((Co, R), dtype=gy.dtype)
-    gb = np.zeros(Co, dtype=gy.dtype)
     if want_params:
-        tK = np.zeros((Co * T, Ci), dtype=gy.dtype)
+        tK = np.zeros((T, Co, Ci), dtype=gy.dtype)
         tb = np.zeros(Co)
         for bi in range(B):
             for c in range(Co):
                 tb[c] += gbs[bi, c]
-            for j in range(Co * T):
-                for i in range(Ci):
-                    tK[j, i] += gKfTs[bi, j, i]
+            for t in range(T):
+                for c in range(Co):
+                    for i in range(Ci):
+                        tK[t, c, i] += gKts[bi, t, c, i]
         for c in range(Co):
             gb[c] = h * tb[c]
             for i in range(Ci):
                 for t in range(T):
-                    gK[c, i * T + t] = h * tK[c * T + T - 1 - t, i]
+                    gK[c, i * T + t] = h * tK[t, c, i]
+
+
+@njit(cache=True)
+def _conv_vjp_all(gy, deriv, x, Kmat, h, residual, want_input, want_params, nd, shape, nblk):
+    """(gx, gK (Co, Ci T), gb (Co,)) of every sample into new arrays (gx empty when not
+    wanted, gK and gb zero), by :func:`_conv_vjp_into`."""
+    B, Co, nrows, Wd = gy.shape
+    gx = np.empty((B, Kmat.shape[1] // (9 if nd == 2 else 27), nrows, Wd) if want_input
+                  else (0, 0, 0, 0), dtype=gy.dtype)
+    gK = np.zeros((Co, Kmat.shape[1]), dtype=gy.dtype)
+    gb = np.zeros(Co, dtype=gy.dtype)
+    _conv_vjp_into(gy, deriv, x, Kmat, h, residual, want_input, want_params, nd, shape, nblk,
+                   gx, gK, gb)
     return gx, gK, gb
 
 
@@ -786,6 +852,28 @@ def conv_sweep_forward(U, W, b, h, act, D):
         for n in range(W.shape[0]):
             _conv_forward_into(U[n], _kmat(W[n]), b[n], h, int(act), True, U[n + 1],
                                D[n] if want_d else none, 2, tuple(U.shape[3:]), nblk)
+
+
+def conv_sweep_backward(U, D, W, h, lam, gW, gb):
+    """Numba: the adjoint of :func:`conv_sweep_forward`, lam_0 from lam = lam_N; U (N+1, B, C,
+    H, W) and D (N, B, C, H, W) C-contiguous from the forward sweep; gW (N, C, C, 3, 3) and gb
+    (N, C) are overwritten. The single kernels' core (the same bits as :func:`conv_vjp` layer
+    by layer); the cotangents alternate between two arrays allocated once (a fresh state per
+    layer cost ~0.6 ms of page faults at C 16, B 32, 28x28)."""
+    nblk = _blocks()
+    shape = tuple(U.shape[3:])
+    bufs = (np.empty_like(U[0]), np.empty_like(U[0]))
+    gK = np.empty((W.shape[1], W.shape[2] * 9), dtype=U.dtype)
+    g = np.empty(W.shape[1], dtype=U.dtype)
+    with one_blas_thread():
+        for n in range(W.shape[0] - 1, -1, -1):
+            out = bufs[n % 2]
+            _conv_vjp_into(np.ascontiguousarray(lam), D[n], U[n], _kmat(W[n]), h, True, True,
+                           True, 2, shape, nblk, out, gK, g)
+            gW[n] = gK.reshape(W.shape[1:])
+            gb[n] = g
+            lam = out
+    return lam
 
 
 for _f, _ref in ((conv_forward, "conv_forward"), (conv_vjp_params, "conv_vjp_params"),
@@ -1069,19 +1157,20 @@ def _chain_row(xf, of, uf, gf, pf, zr, e0, bc, h, h2, act, has_g, mode, share, a
 
 
 @njit(cache=True)
-def _conv_planes(x, Kmat, bl, Dl, h, act, xp, work, out, u, g, has_g, mode, h2, p, share,
+def _conv_planes(x, Kt, bl, Dl, h, act, xp, work, out, u, g, has_g, mode, h2, p, share,
                  adjoint):
     """One conv step of every sample into out by mode (forward: x + h sigma(conv(x) + b);
-    adjoint: x + h conv^T(Dl * x) with Kmat already flipped); with ``share`` also the same with
-    h2, plain, into p. The samples run through the single kernels' core (same bits)."""
+    adjoint: x + h conv^T(Dl * x)); Kt the taps (flipped for the adjoint, :func:`_ktaps`);
+    with ``share`` also the same with h2, plain, into p. The samples run through the single
+    kernels' core (same bits)."""
     H, Wd = x.shape[2], x.shape[3]
     geo = _conv_geometry(2, (H, Wd))
     Hpl, RS, PS, q0 = geo[0], geo[1], geo[2], geo[3]
-    offs = _conv_offsets(2, RS, PS)
+    go, oo, _ = _tap_groups(2, RS, PS, max(Kt.shape[1], x.shape[1]))
     for bi in range(x.shape[0]):
         _pad_flat(x, Dl, bi, xp, adjoint, Hpl, RS, PS, q0)
-        z = _conv_run(xp, Kmat, offs, H, Wd, Hpl, RS, PS, work)
-        for c in range(Kmat.shape[0]):
+        z = _conv_run(xp, Kt, go, oo, H, Wd, Hpl, RS, PS, work)
+        for c in range(Kt.shape[1]):
             bc = z.dtype.type(0) if adjoint else bl[c]
             xf, of = x[bi, c].reshape(H * Wd), out[bi, c].reshape(H * Wd)
             uf, gf = u[bi, c].reshape(H * Wd), g[bi, c].reshape(H * Wd)
@@ -1105,15 +1194,17 @@ def _conv_planes(x, Kmat, bl, Dl, h, act, xp, work, out, u, g, has_g, mode, h2, 
 @njit(cache=True)
 def _conv_fwd_planes(x, Kl, bl, h, act, xp, work, out, u, g, has_g, mode, h2, p, share):
     """The conv step into out by mode; with ``share`` also x + h2 sigma(conv) plain into p."""
-    Kmat = Kl.reshape((Kl.shape[0], Kl.shape[1] * 9))
-    _conv_planes(x, Kmat, bl, x, h, act, xp, work, out, u, g, has_g, mode, h2, p, share, False)
+    tmap = _tap_groups(2, 0, 0, max(Kl.shape[0], Kl.shape[1]))[2]
+    Kt = _ktaps(Kl.reshape((Kl.shape[0], Kl.shape[1] * 9)), tmap, False)
+    _conv_planes(x, Kt, bl, x, h, act, xp, work, out, u, g, has_g, mode, h2, p, share, False)
 
 
 @njit(cache=True)
 def _conv_adj_planes(lam, Kl, Dl, h, sp, work, out, u, g, has_g, mode, h2, p, share):
     """The conv adjoint step into out by mode; with ``share`` also lam + h2 conv^T plain into p."""
-    Kflip = _kflip(Kl.reshape((Kl.shape[0], Kl.shape[1] * 9)), 9)
-    _conv_planes(lam, Kflip, Kflip[0], Dl, h, 0, sp, work, out, u, g, has_g, mode, h2, p, share,
+    tmap = _tap_groups(2, 0, 0, max(Kl.shape[0], Kl.shape[1]))[2]
+    Kf = _ktaps(Kl.reshape((Kl.shape[0], Kl.shape[1] * 9)), tmap, True)
+    _conv_planes(lam, Kf, Kf[0, 0], Dl, h, 0, sp, work, out, u, g, has_g, mode, h2, p, share,
                  True)
 
 
@@ -1215,11 +1306,12 @@ def _dense_adj_chain(U, G, has_g, R, W, P, d0, first, n, o, layer0, layer_step, 
 
 @njit(cache=True)
 def _conv_scratch(U, mode):
-    """(padded sample (C, Np) whose border stays zero: reusable across chains, the 1-D GEMM
-    work of one chunk) for stores U (slots, B, C, H, W)."""
+    """(padded sample (C, Np) whose border stays zero: reusable across chains, the GEMM result
+    z (C, L) of one sample) for stores U (slots, B, C, H, W)."""
     _, _, C, H, Wd = U.shape
     geo = _conv_geometry(2, (H, Wd))
-    return np.zeros((C, geo[4]), dtype=U.dtype), _conv_work(9 * C, C, geo, H, Wd, U)
+    go, oo, _ = _tap_groups(2, geo[1], geo[2], C)
+    return np.zeros((C, geo[4]), dtype=U.dtype), _conv_work(C, C, go, oo, geo, H, Wd, U)
 
 
 @njit(cache=True)

@@ -233,6 +233,13 @@ class ConvStep(_StepKind):
             return super().sweep_forward(W, b, U, h, D, bk)
         sweep(U, W, b, h, self.act, D)
 
+    def sweep_backward(self, W, b, U, D, h, lam, gW, gb, bk):
+        sweep = getattr(bk, "conv_sweep_backward", None)  # no state allocated per layer
+        if sweep is None or not (U.flags.c_contiguous and D.flags.c_contiguous
+                                 and D.shape[0] == W.shape[0]):
+            return super().sweep_backward(W, b, U, D, h, lam, gW, gb, bk)
+        return sweep(U, D, W, h, lam, gW, gb)
+
 
 class _Opening:
     """Shared code of the opening kinds: u_0 = sigma(A x + a) with the kernels named below."""

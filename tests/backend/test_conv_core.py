@@ -18,13 +18,16 @@ REF = get_backend("numpy")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 #: (B, Ci, Co, H, W): odd sizes, C not a multiple of any block, B = 1, a 1x1 image, a tall
-#: image of one column, images of several chunks (40 channels: 3 rows a chunk, small GEMMs; a
-#: wide image: 6 rows a chunk, large GEMMs)
+#: image of one column, images of several chunks: unfolded taps (32 channels, 40 wide: 7 rows
+#: a chunk) and one GEMM a tap (40 channels, 20 wide: 9 rows a chunk; 70 wide: 2 rows a chunk,
+#: the last one short)
 SHAPES_2D = [(2, 3, 5, 7, 9), (1, 4, 4, 8, 8), (1, 1, 1, 1, 1), (3, 7, 7, 13, 1),
-             (2, 5, 3, 40, 40), (1, 17, 17, 11, 12), (2, 40, 40, 20, 20), (1, 40, 40, 8, 70)]
-#: (B, Ci, Co, D, H, W): volumes of one chunk, a 1-voxel one, and one whose 7-row chunks cross
-#: its 5-row planes
-SHAPES_3D = [(2, 3, 5, 6, 7, 9), (1, 2, 2, 1, 1, 1), (1, 4, 3, 3, 2, 5), (2, 16, 16, 6, 5, 11)]
+             (2, 5, 3, 40, 40), (1, 17, 17, 11, 12), (1, 32, 31, 20, 40), (2, 40, 40, 20, 20),
+             (1, 40, 40, 9, 70)]
+#: (B, Ci, Co, D, H, W): volumes of one chunk, a 1-voxel one, one of more channels than are
+#: unfolded (one GEMM a tap), and one whose 8-row chunks cross its 13-row planes (Ci != Co)
+SHAPES_3D = [(2, 3, 5, 6, 7, 9), (1, 2, 2, 1, 1, 1), (1, 4, 3, 3, 2, 5), (1, 33, 34, 2, 3, 4),
+             (1, 24, 20, 4, 13, 20)]
 
 
 def _case(rng, dtype, B, Ci, Co, *spatial):
@@ -70,20 +73,39 @@ def test_conv3d_core_matches_the_reference(dtype, shape, rng):
     _check_all("conv3d", x, K, b, g, h, 1, dtype)
 
 
+def _plan(nd, Ci, Co, spatial):
+    geo = NB._conv_geometry(nd, spatial)
+    go, oo, tmap = NB._tap_groups(nd, geo[1], geo[2], max(Ci, Co))
+    nrows = int(np.prod(spatial[:-1]))
+    rpc, width = NB._chunk_plan(Co, Ci, go, oo, nrows, spatial[-1], geo[0], geo[1], geo[2])
+    return geo, go, oo, tmap, nrows, rpc, width
+
+
 def test_chunking_crosses_rows_and_planes():
-    """The shapes above do span several chunks, of either size rule (else the chunk seams would
-    go untested)."""
-    small = large = False
+    """The shapes above span several chunks of both tap plans (unfolded rows of taps, one GEMM
+    a tap), a short last one among them, and 3D chunks that cross planes (else the chunk seams
+    would go untested); unfolded chunks keep their GEMMs within OpenBLAS's small-matrix
+    size."""
+    spans = {1: [], 3: []}
     for (B, Ci, Co, H, W) in SHAPES_2D:
-        geo = NB._conv_geometry(2, (H, W))
-        if NB._rows_per_chunk(9 * Ci, Co, H, W, geo[0], geo[1], geo[2]) < H:
-            small |= Co * 9 * Ci * geo[1] <= NB.CONV_SMALL_MNK
-            large |= Co * 9 * Ci * geo[1] > NB.CONV_SMALL_MNK
-    assert small and large, (small, large)
+        geo, go, oo, tmap, nrows, rpc, width = _plan(2, Ci, Co, (H, W))
+        assert tmap.shape == (9 // go.size, go.size) and go.size == (1 if max(Ci, Co) > 32 else 3)
+        if go.size == 3:
+            assert width == NB._max_chunk(rpc, nrows, W, *geo[:3]) + 2 * geo[1]
+            assert Co * Ci * 3 * (width - 2 * geo[1]) <= NB.CONV_SMALL_MNK
+        if rpc < H:
+            spans[go.size].append(H % rpc)
+    assert all(spans.values()) and any(spans[1]) and any(spans[3] + spans[1]), spans
+    # the kernel gradient's chunks (as long as the small GEMM kernels take) have seams too
+    assert any(NB._small_rows(Ci * Co, H, W, H, W + 1, 0) < H for (B, Ci, Co, H, W) in SHAPES_2D)
     B, Ci, Co, D, H, W = SHAPES_3D[-1]
-    geo = NB._conv_geometry(3, (D, H, W))
-    rpc = NB._rows_per_chunk(27 * Ci, Co, D * H, W, geo[0], geo[1], geo[2])
-    assert rpc < D * H and rpc % H, (rpc, D * H)  # several chunks, one ending mid-plane
+    geo, go, oo, tmap, nrows, rpc, width = _plan(3, Ci, Co, (D, H, W))
+    assert rpc < nrows and rpc % H and sorted(tmap.ravel()) == list(range(27)), (rpc, nrows)
+    longest = NB._max_chunk(rpc, nrows, W, geo[0], geo[1], geo[2])
+    assert longest > (rpc - 1) * geo[1] + W  # a chunk spans a plane's border rows
+    assert Co * Ci * go.size * longest <= NB.CONV_SMALL_MNK and width == longest + 2 * geo[1]
+    offs = NB._conv_offsets(3, geo[1], geo[2])
+    assert all(offs[tmap[o, g]] == oo[o] + go[g] for o in range(3) for g in range(9))
 
 
 def test_non_contiguous_inputs_are_accepted(rng):
