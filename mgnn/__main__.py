@@ -672,6 +672,11 @@ def cmd_bench(args):
     elif args.suite == "kernels":
         results = run_kernels(quick=args.quick)
         text = format_results(results)
+        if not args.json:
+            from .backend.blas_threads import blas_advice, blas_kernels
+            text = "\n".join([f"BLAS: {lib} {ver} ({arch} kernels)"
+                              for lib, ver, arch, _ in blas_kernels()]
+                             + ["warning: " + a for a in [blas_advice()] if a] + [text])
     elif args.suite == "gpu-launches":
         from .bench import bench_gpu_launches, format_gpu_launches
         results = bench_gpu_launches(n_layers=128 if args.quick else 1024)

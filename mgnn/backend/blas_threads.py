@@ -81,3 +81,53 @@ def restore(saved):
     """Set the BLAS counts back to a :func:`snapshot`."""
     for ctl, n in saved:
         ctl.set_num_threads(n)
+
+
+#: OpenBLAS kernel sets (threadpoolctl's ``architecture``) that use AVX-512.
+AVX512_CORES = ("SkylakeX", "Cooperlake", "SapphireRapids")
+#: The AVX-512 subset OpenBLAS's SkylakeX kernels need.
+AVX512_FLAGS = ("avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl")
+
+
+def cpu_flags(path="/proc/cpuinfo"):
+    """Set of the first CPU's flags in ``path`` (empty where unreadable: not Linux)."""
+    try:
+        with open(path, encoding="ascii", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "flags":
+                    return set(value.split())
+    except OSError:
+        pass
+    return set()
+
+
+def blas_kernels():
+    """[(library file name, version, kernel architecture, threads)] of every loaded BLAS,
+    Numba's included ([] without threadpoolctl)."""
+    import os
+    return [(os.path.basename(c.filepath), getattr(c, "version", None) or "?",
+             getattr(c, "architecture", None) or "?", c.num_threads)
+            for c in blas_controllers(True)]
+
+
+def blas_advice(kernels=None, flags=None, environ=None):
+    """A warning line when OpenBLAS runs kernels without AVX-512 on a CPU that has it because
+    ``OPENBLAS_CORETYPE`` says so (mgnn's conv core, sized for OpenBLAS's AVX-512 small-matrix
+    kernels, measured 2.7-3.4x slower per kernel with ``Haswell`` on a Zen 5), else None.
+    mgnn never overrides the variable: a user or site that set it keeps it."""
+    import os
+    environ = os.environ if environ is None else environ
+    core = environ.get("OPENBLAS_CORETYPE")
+    flags = cpu_flags() if flags is None else flags
+    if not core or not all(f in flags for f in AVX512_FLAGS):
+        return None
+    kernels = blas_kernels() if kernels is None else kernels
+    slow = sorted({arch for lib, _, arch, _ in kernels
+                   if "openblas" in lib.lower() and arch not in AVX512_CORES})
+    if not slow:
+        return None
+    return (f"OPENBLAS_CORETYPE={core} runs OpenBLAS's {'/'.join(slow)} kernels (no AVX-512) on "
+            "this AVX-512 CPU: mgnn's conv kernels run about 3x slower than with OpenBLAS's own "
+            "choice; unset it (or set SkylakeX) before Python starts unless it is there on "
+            "purpose")

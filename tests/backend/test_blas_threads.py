@@ -200,3 +200,40 @@ def test_restore_threads_makes_apply_threads_set_its_counts_again(two_blas_threa
     apply_threads(info)
     assert _most(two_blas_threads) == 1
     restore_threads(saved)
+
+
+AVX512 = {"fma", "avx2", "avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"}
+HASWELL = [("libscipy_openblas.so", "0.3.30", "Haswell", 1)]
+SKX = [("libscipy_openblas.so", "0.3.30", "SkylakeX", 1)]
+
+
+def test_blas_advice_names_a_forced_core_without_avx512_on_an_avx512_cpu():
+    from mgnn.backend.blas_threads import blas_advice
+    msg = blas_advice(HASWELL, AVX512, {"OPENBLAS_CORETYPE": "Haswell"})
+    assert msg is not None and "OPENBLAS_CORETYPE=Haswell" in msg and "Haswell kernels" in msg
+
+
+@pytest.mark.parametrize("kernels, flags, environ", [
+    (HASWELL, AVX512, {}),  # OpenBLAS's own choice: not the user's doing, nothing to advise
+    (HASWELL, {"fma", "avx2"}, {"OPENBLAS_CORETYPE": "Haswell"}),  # no AVX-512 to miss
+    (SKX, AVX512, {"OPENBLAS_CORETYPE": "SkylakeX"}),
+    ([("libmkl_rt.so", "2024", "Haswell", 1)], AVX512, {"OPENBLAS_CORETYPE": "Haswell"}),
+])
+def test_blas_advice_is_silent_otherwise(kernels, flags, environ):
+    from mgnn.backend.blas_threads import blas_advice
+    assert blas_advice(kernels, flags, environ) is None
+
+
+def test_cpu_flags_reads_the_first_cpu(tmp_path):
+    from mgnn.backend.blas_threads import cpu_flags
+    p = tmp_path / "cpuinfo"
+    p.write_text("processor : 0\nflags : fpu avx2 avx512f\n\nprocessor : 1\nflags : fpu\n")
+    assert cpu_flags(str(p)) == {"fpu", "avx2", "avx512f"}
+    assert cpu_flags(str(tmp_path / "missing")) == set()
+
+
+def test_blas_kernels_lists_numbas_blas():
+    from mgnn.backend.blas_threads import blas_kernels
+    kernels = blas_kernels()
+    assert any("openblas" in lib.lower() for lib, _, _, _ in kernels), kernels
+    assert all(isinstance(arch, str) and arch and n >= 1 for _, _, arch, n in kernels)
