@@ -14,7 +14,7 @@ PyTorch is never a dependency of mgnn: run this in a benchmark environment that 
         --activation relu --dtype float32
     /tmp/torchenv/bin/python scripts/torch_baseline.py --model conv --channels 16 --layers 16 \\
         --batch-size 32 --image 28 --threads 1
-    /tmp/torchenv/bin/python scripts/torch_baseline.py --model gru --hidden 64 --seq-len 512 \
+    /tmp/torchenv/bin/python scripts/torch_baseline.py --model gru --hidden 64 --seq-len 512 \\
         --gru-layers 2 --batch-size 32 --threads 1
 
 It first checks that both frameworks compute the same loss and gradient (so the times are of the

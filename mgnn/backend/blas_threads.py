@@ -17,6 +17,7 @@ two Python threads solving at once may restore the counts while the other is sti
 (slower, never wrong). threadpoolctl is a dependency of mgnn; without it nothing is limited.
 """
 import contextlib
+import os
 import sys
 
 _CONTROLLERS = {}  # the BLAS controllers found at a count of loaded modules (scans are slow)
@@ -105,7 +106,6 @@ def cpu_flags(path="/proc/cpuinfo"):
 def blas_kernels():
     """[(library file name, version, kernel architecture, threads)] of every loaded BLAS,
     Numba's included ([] without threadpoolctl)."""
-    import os
     return [(os.path.basename(c.filepath), getattr(c, "version", None) or "?",
              getattr(c, "architecture", None) or "?", c.num_threads)
             for c in blas_controllers(True)]
@@ -116,7 +116,6 @@ def blas_advice(kernels=None, flags=None, environ=None):
     ``OPENBLAS_CORETYPE`` says so (mgnn's conv core, sized for OpenBLAS's AVX-512 small-matrix
     kernels, measured 2.7-3.4x slower per kernel with ``Haswell`` on a Zen 5), else None.
     mgnn never overrides the variable: a user or site that set it keeps it."""
-    import os
     environ = os.environ if environ is None else environ
     core = environ.get("OPENBLAS_CORETYPE")
     flags = cpu_flags() if flags is None else flags

@@ -718,8 +718,8 @@ def _conv_forward_all(x, Kmat, b, h, act, residual, want_y, want_deriv, nd, shap
 def _conv_vjp_into(gy, deriv, x, Kmat, h, residual, want_input, want_params, nd, shape, nblk,
                    gx, gK, gb):
     """gx (B, Ci, rows, W) [= gy +] h conv^T(s) (``want_input``), gK (Co, Ci T) and gb (Co,)
-    (``want_params``) of every sample into the given arrays, s = deriv * gy: blocks of samples on threads, gK and
-    gb summed over samples in order."""
+    (``want_params``) of every sample into the given arrays, s = deriv * gy: blocks of samples
+    on threads, gK and gb summed over samples in order."""
     B, Co, nrows, Wd = gy.shape
     T = 9 if nd == 2 else 27
     Ci = Kmat.shape[1] // T
@@ -1157,16 +1157,17 @@ def _chain_row(xf, of, uf, gf, pf, zr, e0, bc, h, h2, act, has_g, mode, share, a
 
 
 @njit(cache=True)
-def _conv_planes(x, Kt, bl, Dl, h, act, xp, work, out, u, g, has_g, mode, h2, p, share,
+def _conv_planes(x, Kl, bl, Dl, h, act, xp, work, out, u, g, has_g, mode, h2, p, share,
                  adjoint):
     """One conv step of every sample into out by mode (forward: x + h sigma(conv(x) + b);
-    adjoint: x + h conv^T(Dl * x)); Kt the taps (flipped for the adjoint, :func:`_ktaps`);
-    with ``share`` also the same with h2, plain, into p. The samples run through the single
-    kernels' core (same bits)."""
+    adjoint: x + h conv^T(Dl * x); bl is not read); Kl (C, C, 3, 3) the layer's kernel, grouped
+    (flipped for the adjoint) by :func:`_ktaps`; with ``share`` also the same with h2, plain,
+    into p. The samples run through the single kernels' core (same bits)."""
     H, Wd = x.shape[2], x.shape[3]
     geo = _conv_geometry(2, (H, Wd))
     Hpl, RS, PS, q0 = geo[0], geo[1], geo[2], geo[3]
-    go, oo, _ = _tap_groups(2, RS, PS, max(Kt.shape[1], x.shape[1]))
+    go, oo, tmap = _tap_groups(2, RS, PS, max(Kl.shape[0], Kl.shape[1]))
+    Kt = _ktaps(Kl.reshape((Kl.shape[0], Kl.shape[1] * 9)), tmap, adjoint)
     for bi in range(x.shape[0]):
         _pad_flat(x, Dl, bi, xp, adjoint, Hpl, RS, PS, q0)
         z = _conv_run(xp, Kt, go, oo, H, Wd, Hpl, RS, PS, work)
@@ -1194,17 +1195,13 @@ def _conv_planes(x, Kt, bl, Dl, h, act, xp, work, out, u, g, has_g, mode, h2, p,
 @njit(cache=True)
 def _conv_fwd_planes(x, Kl, bl, h, act, xp, work, out, u, g, has_g, mode, h2, p, share):
     """The conv step into out by mode; with ``share`` also x + h2 sigma(conv) plain into p."""
-    tmap = _tap_groups(2, 0, 0, max(Kl.shape[0], Kl.shape[1]))[2]
-    Kt = _ktaps(Kl.reshape((Kl.shape[0], Kl.shape[1] * 9)), tmap, False)
-    _conv_planes(x, Kt, bl, x, h, act, xp, work, out, u, g, has_g, mode, h2, p, share, False)
+    _conv_planes(x, Kl, bl, x, h, act, xp, work, out, u, g, has_g, mode, h2, p, share, False)
 
 
 @njit(cache=True)
 def _conv_adj_planes(lam, Kl, Dl, h, sp, work, out, u, g, has_g, mode, h2, p, share):
     """The conv adjoint step into out by mode; with ``share`` also lam + h2 conv^T plain into p."""
-    tmap = _tap_groups(2, 0, 0, max(Kl.shape[0], Kl.shape[1]))[2]
-    Kf = _ktaps(Kl.reshape((Kl.shape[0], Kl.shape[1] * 9)), tmap, True)
-    _conv_planes(lam, Kf, Kf[0, 0], Dl, h, 0, sp, work, out, u, g, has_g, mode, h2, p, share,
+    _conv_planes(lam, Kl, Kl[0, 0, 0], Dl, h, 0, sp, work, out, u, g, has_g, mode, h2, p, share,
                  True)
 
 
