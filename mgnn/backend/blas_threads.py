@@ -113,8 +113,9 @@ def blas_kernels():
 
 def blas_advice(kernels=None, flags=None, environ=None):
     """A warning line when OpenBLAS runs kernels without AVX-512 on a CPU that has it because
-    ``OPENBLAS_CORETYPE`` says so (mgnn's conv core, sized for OpenBLAS's AVX-512 small-matrix
-    kernels, measured 2.7-3.4x slower per kernel with ``Haswell`` on a Zen 5), else None.
+    ``OPENBLAS_CORETYPE`` says so (every BLAS call -- dense layers, GRU gates, NumPy -- runs
+    at half the width; the conv core used BLAS until its SIMD tiles and measured 2.7-3.4x
+    slower per kernel with ``Haswell`` on a Zen 5), else None.
     mgnn never overrides the variable: a user or site that set it keeps it."""
     environ = os.environ if environ is None else environ
     core = environ.get("OPENBLAS_CORETYPE")
@@ -127,6 +128,6 @@ def blas_advice(kernels=None, flags=None, environ=None):
     if not slow:
         return None
     return (f"OPENBLAS_CORETYPE={core} runs OpenBLAS's {'/'.join(slow)} kernels (no AVX-512) on "
-            "this AVX-512 CPU: mgnn's conv kernels run about 3x slower than with OpenBLAS's own "
-            "choice; unset it (or set SkylakeX) before Python starts unless it is there on "
+            "this AVX-512 CPU: mgnn's dense and recurrent kernels (every BLAS call) run slower "
+            "than with OpenBLAS's own choice; unset it (or set SkylakeX) before Python starts unless it is there on "
             "purpose")

@@ -13,7 +13,6 @@ import numpy as np
 import numba
 from numba import prange
 from numba.extending import overload as _overload
-from numba.np.linalg import ensure_blas as _ensure_blas
 
 
 def njit(*args, **options):
@@ -30,6 +29,7 @@ def overload(fn, **options):
     return _overload(fn, **options)
 
 from .blas_threads import one_blas_thread
+from . import conv_tiles as _tiles
 from . import tape as _T
 from .numpy_ref import (_int, bn_dims, check_stacked, conv3d_check, gate_check,
                         recurrent_adjoint_check, recurrent_caches_check,
@@ -347,73 +347,33 @@ for _f, _ref in ((dense_forward, "dense_forward"), (dense_forward_deriv, "dense_
 
 
 # ---------------------------------------------------------------------------------------- conv
-# 2D (3x3) and 3D (3x3x3) convolutions share one core: implicit GEMM over a flat padded layout.
-# A sample (C, rows, W) -- 2D: rows = H; 3D: rows = D H, the (B, C, D, H, W) state seen as
-# (B, C, D H, W) -- is zero-padded by 1 and stored flat, xp (C, Np): row stride RS = W + 1
-# (one zero column between rows serves as the right border of one and the left of the next),
-# plane stride PS = (H + 2) RS (3D), Np = (H + 2) RS + 1 (2D) or (D + 2) PS + 1 (3D: the last
-# tap of the last output reads one past the bottom border). Output row r
-# (plane r // H, row r % H) starts at run position j = (r // H) PS + (r % H) RS, and tap t
-# reads xp[c, offs[t] + j + x] (offs: dy RS + dx, or dz PS + dy RS + dx: every index a
-# non-negative loop counter). The run between two rows crosses only border positions, which are
-# computed and dropped. The taps run as BLAS GEMMs (called directly, :func:`_gemm`, with
-# leading dimensions, so that operands and outputs are strided views), grouped by
-# :func:`_tap_groups`: up to CONV_GROUP_C channels the taps of a row (2D: the 3 dx; 3D: the 9
-# dz, dx) are unfolded into col (G C, lc + 2 RS) (:func:`_im2col`) and run as 3 GEMMs with
-# K = G C, shifted by dy RS (K = C GEMMs measured 5-15 % slower there); above it every tap is
-# one GEMM straight on the padded layout (no copy; unfolding measured 16 % slower at C 64).
-# The GEMMs of a chunk of output rows accumulate into the same z chunk (beta 1); the bias /
-# activation / residual / derivative epilogue is fused into one pass that writes the outputs:
-#   forward      z (Co, L) = sum_t K_t (Co, Ci) @ xp[:, offs[t] + j], K_t = K[:, :, t]
-#   input vjp    z (Ci, L) = sum_t Kf_t (Ci, Co) @ sp[:, offs[t] + j], Kf_t = K_{T-1-t}^T (the
-#                transposed convolution as a correlation: offs[T-1-t] = 2 q0 - offs[t])
-#   kernel grad  gK_t (Co, Ci) += S (Co, lc) @ X_t^T per tap, S the run of the padded
-#                cotangent sp from q0, X_t that of xp from offs[t], both read in place
-# Chunks: one tap a group, about CONV_TILE elements of z (in L1 across the chunk's GEMMs);
-# unfolded groups, GEMMs within CONV_SMALL_MNK multiply-adds (OpenBLAS's unpacked small-matrix
-# kernels: ~105 GFLOP/s here against 40-60 packed). They are a function of the shapes alone;
-# every path (single kernels, sweeps, stacked chains, captured tapes, shared steps) runs a
-# sample through the same functions, so their results agree bit for bit. Threads work on
-# blocks of samples with one BLAS thread each; the kernel gradient is summed per sample and
-# then over samples in order: the same bits for any thread count.
-CONV_TILE = 8192  #: elements of a chunk of z (channels x run positions): 32 KiB float32
-CONV_SMALL_MNK = 1_000_000  #: GEMMs up to this size take OpenBLAS's unpacked small kernels
-CONV_GROUP_C = 32  #: up to this many channels, a row's taps are unfolded (larger K per GEMM)
-
-
-def _gemm_signature(dt):
-    return numba.types.intc(
-        numba.types.char, numba.types.char, numba.types.char, numba.types.intp,
-        numba.types.intp, numba.types.intp, numba.types.CPointer(dt), numba.types.CPointer(dt),
-        numba.types.intp, numba.types.CPointer(dt), numba.types.intp, numba.types.CPointer(dt),
-        numba.types.CPointer(dt), numba.types.intp)
-
-
-_ensure_blas()
-#: Numba's own BLAS entry point (what np.dot calls; SciPy's cython_blas), by dtype
-_XXGEMM = {numba.types.float32: numba.types.ExternalFunction(
-               "numba_xxgemm", _gemm_signature(numba.types.float32)),
-           numba.types.float64: numba.types.ExternalFunction(
-               "numba_xxgemm", _gemm_signature(numba.types.float64))}
-
-
-def _gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
-    """Row-major C (m, n) = alpha op(A) op(B) + beta C through BLAS: a, b, c flat arrays
-    starting at the matrices' first elements, lda / ldb / ldc their row strides, ta / tb
-    ord('n') or ord('t') (op(X) = X or X^T of the stored row-major matrix)."""
-
-
-@overload(_gemm)
-def _gemm_impl(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
-    fn, kind = _XXGEMM[c.dtype], ord("s") if c.dtype == numba.types.float32 else ord("d")
-
-    def impl(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
-        scal = np.empty(2, dtype=c.dtype)
-        scal[0], scal[1] = alpha, beta
-        # column-major BLAS: C^T (n, m) = op(B)^T op(A)^T, the row-major buffers as they are
-        fn(np.int8(kind), np.int8(tb), np.int8(ta), n, m, k, scal[0:1].ctypes, b.ctypes, ldb,
-           a.ctypes, lda, scal[1:2].ctypes, c.ctypes, ldc)
-    return impl
+# 2D (3x3) and 3D (3x3x3) convolutions share one core: direct convolution over a flat padded
+# layout by register-blocked SIMD tiles (:mod:`mgnn.backend.conv_tiles`). A sample (C, rows, W)
+# -- 2D: rows = H; 3D: rows = D H, the (B, C, D, H, W) state seen as (B, C, D H, W) -- is
+# zero-padded by 1 and stored flat, xp (C, Np): row stride RS = W + 1 (one zero column between
+# rows serves as the right border of one and the left of the next), plane stride PS = (H + 2) RS
+# (3D); Np = (H + 2) RS + 1 (2D) or (D + 2) PS + 1 (3D), plus CONV_BLK positions of zero slack
+# (a tile reads whole vectors). Output row r (plane r // H, row r % H) starts at run position
+# j = (r // H) PS + (r % H) RS, and tap t reads xp[c, offs[t] + j + x] (offs: dy RS + dx, or
+# dz PS + dy RS + dx). The run between two rows crosses only border positions, which are
+# computed and dropped; the run of L positions is computed in whole tiles (Lz, L rounded up to
+# CONV_BLK), so z has Lz columns:
+#   forward      z (Co, Lz) = sum_{i, t} K[:, i, t] xp[i, offs[t] + j]: tiles of MR channels x
+#                CONV_BLK positions, the weights packed per tile (:func:`_kpack`)
+#   input vjp    z (Ci, Lz) the same on the padded cotangent sp with the flipped kernel
+#                Kf[i, c, t] = K[c, i, T-1-t] (the transposed convolution as a correlation:
+#                offs[T-1-t] = 2 q0 - offs[t])
+#   kernel grad  gK[t, c, i] = sum_j sp[c, q0 + j] xp[i, offs[t] + j] over the whole run (border
+#                positions of sp are zero): tiles of MR channels x NV taps
+# and the bias / activation / residual / derivative epilogue is one pass over z's rows that
+# writes the outputs. No im2col, no BLAS: the tiles reach OpenBLAS's large-GEMM rate at every
+# channel count (36 GFLOP/s on an AVX2 Zen core whose sgemm peaks at 37; the BLAS GEMMs per
+# tap ran at 8-22 there), whatever OPENBLAS_CORETYPE says. Every path (single kernels, sweeps,
+# stacked chains, captured tapes, shared steps) runs a sample through the same functions, so
+# their results agree bit for bit; threads work on blocks of samples and the kernel gradient is
+# summed per sample, then over samples in order: the same bits for any thread count.
+CONV_MR = _tiles.MR  #: output channels per tile
+CONV_BLK = _tiles.blk(np.dtype(np.float32))  #: run positions per float32 tile (2 float64 tiles)
 
 
 @njit(cache=True, inline="always")
@@ -424,15 +384,19 @@ def _row_start(r, Hpl, RS, PS):
 
 @njit(cache=True)
 def _conv_geometry(nd, shape):
-    """(Hpl, RS, PS, q0, Np) of the flat padded layout of a sample of spatial ``shape``: (H, W)
-    for nd = 2, (D, H, W) for nd = 3; q0 is the padded position of output (0, 0[, 0]). Rows
-    share their zero border column (RS = W + 1): 1/W extra work in the run, not 2/W."""
+    """(Hpl, RS, PS, q0, Np, L, Lz) of the flat padded layout of a sample of spatial ``shape``:
+    (H, W) for nd = 2, (D, H, W) for nd = 3; q0 is the padded position of output (0, 0[, 0]),
+    Np the padded length with CONV_BLK of slack, L the run's length, Lz L rounded up to
+    CONV_BLK. Rows share their zero border column (RS = W + 1): 1/W extra work in the run."""
     Hpl, Wd = shape[nd - 2], shape[nd - 1]
     RS = Wd + 1
     PS = (Hpl + 2) * RS
+    nrows = Hpl if nd == 2 else shape[0] * Hpl
+    L = _row_start(nrows - 1, Hpl, RS, PS) + Wd
+    Lz = (L + CONV_BLK - 1) // CONV_BLK * CONV_BLK
     if nd == 2:
-        return Hpl, RS, PS, RS + 1, PS + 1
-    return Hpl, RS, PS, PS + RS + 1, (shape[0] + 2) * PS + 1
+        return Hpl, RS, PS, RS + 1, PS + 1 + CONV_BLK, L, Lz
+    return Hpl, RS, PS, PS + RS + 1, (shape[0] + 2) * PS + 1 + CONV_BLK, L, Lz
 
 
 @njit(cache=True)
@@ -446,90 +410,36 @@ def _conv_offsets(nd, RS, PS):
     return offs
 
 
-@njit(cache=True, inline="always")
-def _chunk(k, rpc, nrows, Wd, Hpl, RS, PS):
-    """Rows [r0, r1) of chunk k, its first run position j0 and length lc."""
-    r0 = k * rpc
-    r1 = min(nrows, r0 + rpc)
-    j0 = _row_start(r0, Hpl, RS, PS)
-    return r0, r1, j0, _row_start(r1 - 1, Hpl, RS, PS) + Wd - j0
+@njit(cache=True)
+def _kpack(Kmat, T, flip):
+    """Kmat (Co, Ci T) -> the tiles' weights (ceil(Co / MR), Ci T MR), [b, (i T + t) MR + r] =
+    K[b MR + r, i, t] (zero past Co); with ``flip`` those of the transposed convolution,
+    (ceil(Ci / MR), Co T MR), [b, (c T + t) MR + r] = K[c, b MR + r, T-1-t]."""
+    Co, Ci = Kmat.shape[0], Kmat.shape[1] // T
+    n_out, n_red = (Ci, Co) if flip else (Co, Ci)
+    nb = (n_out + CONV_MR - 1) // CONV_MR
+    out = np.zeros((nb, n_red * T * CONV_MR), dtype=Kmat.dtype)
+    for o in range(n_out):
+        bk, r = o // CONV_MR, o % CONV_MR
+        for i in range(n_red):
+            for t in range(T):
+                if flip:
+                    out[bk, (i * T + t) * CONV_MR + r] = Kmat[i, o * T + T - 1 - t]
+                else:
+                    out[bk, (i * T + t) * CONV_MR + r] = Kmat[o, i * T + t]
+    return out
 
 
 @njit(cache=True)
-def _tap_groups(nd, RS, PS, C):
-    """(go (G,), oo (O,), tmap (O, G)) int64 for C = the larger channel count: tap tmap[o, g]
-    reads at oo[o] + go[g] (its offset). Up to CONV_GROUP_C channels the taps of a row (2D: G 3,
-    dx; 3D: G 9, dz and dx) are unfolded by :func:`_im2col` and run as K = G C GEMMs shifted by
-    oo = dy RS; above it every tap is one GEMM straight on the padded sample (G 1, oo = the
-    offsets)."""
-    T = 9 if nd == 2 else 27
-    if C > CONV_GROUP_C:
-        return (np.zeros(1, dtype=np.int64), _conv_offsets(nd, RS, PS),
-                np.arange(T).reshape((T, 1)))
-    G = T // 3
-    go = np.empty(G, dtype=np.int64)
-    oo = np.empty(3, dtype=np.int64)
-    tmap = np.empty((3, G), dtype=np.int64)
-    for dy in range(3):
-        oo[dy] = dy * RS
-        for dz in range(T // 9):
-            for dx in range(3):
-                go[dz * 3 + dx] = dz * PS + dx
-                tmap[dy, dz * 3 + dx] = dz * 9 + dy * 3 + dx
-    return go, oo, tmap
-
-
-@njit(cache=True)
-def _max_chunk(rpc, nrows, Wd, Hpl, RS, PS):
-    """The longest run of a chunk of rpc rows (one that crosses planes also spans their border
-    rows)."""
-    lc = 0
-    for k in range((nrows + rpc - 1) // rpc):
-        lc = max(lc, _chunk(k, rpc, nrows, Wd, Hpl, RS, PS)[3])
-    return lc
-
-
-@njit(cache=True)
-def _tile_rows(C, nrows, RS):
-    """Output rows per chunk of C channels' run positions: about CONV_TILE elements."""
-    return max(1, min(nrows, CONV_TILE // (C * RS)))
-
-
-@njit(cache=True)
-def _small_rows(MN, nrows, Wd, Hpl, RS, PS):
-    """Output rows per chunk whose GEMMs (M N = MN, K or N = the chunk's run) stay within
-    CONV_SMALL_MNK multiply-adds, OpenBLAS's unpacked small-matrix kernels, counting the real
-    length of chunks that cross planes."""
-    rows = max(1, min(nrows, CONV_SMALL_MNK // (MN * RS)))
-    while rows > 1 and MN * _max_chunk(rows, nrows, Wd, Hpl, RS, PS) > CONV_SMALL_MNK:
-        rows -= 1
-    return rows
-
-
-@njit(cache=True)
-def _chunk_plan(Co, Ci, go, oo, nrows, Wd, Hpl, RS, PS):
-    """(rows per chunk, width of the unfolded chunk: 0 for one tap a group) of a convolution
-    between Co and Ci channels (the same for its forward, input vjp and kernel gradient)."""
-    G = go.size
-    if G == 1:
-        return _tile_rows(max(Co, Ci), nrows, RS), 0
-    rpc = _small_rows(Co * Ci * G, nrows, Wd, Hpl, RS, PS)
-    return rpc, _max_chunk(rpc, nrows, Wd, Hpl, RS, PS) + oo[oo.size - 1]
-
-
-@njit(cache=True)
-def _conv_work(Co, Ci, go, oo, geo, nrows, Wd, dtype_of):
-    """A 1-D scratch for a convolution with Co outputs: the sample's GEMM result z (Co, L) and,
-    for grouped taps, room for an unfolded chunk of either side ((Co + Ci) G rows)."""
-    Wc = _chunk_plan(Co, Ci, go, oo, nrows, Wd, geo[0], geo[1], geo[2])[1]
-    L = _row_start(nrows - 1, geo[0], geo[1], geo[2]) + Wd
-    return np.empty(Co * L + (Co + Ci) * go.size * Wc, dtype=dtype_of.dtype)
+def _conv_work(Co, geo, dtype_of):
+    """A 1-D scratch for the result z (Co, Lz) of one sample's convolution with Co outputs."""
+    return np.empty(Co * geo[6], dtype=dtype_of.dtype)
 
 
 @njit(cache=True, inline="always")
 def _pad_flat(x, d, bi, xp, times_d, Hpl, RS, PS, q0):
-    """Interior of xp (C, Np) = x[bi] (C, rows, W) [* d[bi] when ``times_d``]; the border is
-    untouched (zero)."""
+    """Interior of xp (C, Np) = x[bi] (C, rows, W) [* d[bi] when ``times_d``]; the border and
+    the slack are untouched (zero)."""
     for c in range(x.shape[1]):
         for r in range(x.shape[2]):
             base = q0 + _row_start(r, Hpl, RS, PS)
@@ -539,61 +449,39 @@ def _pad_flat(x, d, bi, xp, times_d, Hpl, RS, PS, q0):
 
 
 @njit(cache=True)
-def _im2col(xp, go, j0, n, col):
-    """col[c G + g, :n] = xp[c, go[g] + j0:go[g] + j0 + n]: G contiguous copies per channel."""
-    G = go.size
-    for c in range(xp.shape[0]):
-        for g in range(G):
-            src = xp[c, go[g] + j0:go[g] + j0 + n]
-            dst = col[c * G + g]
-            for j in range(n):
-                dst[j] = src[j]
+def _conv_run(xp, Kp, offs, geo, work):
+    """z (Co, Lz) = the convolution of the padded sample xp (Ci, Np) over its whole run, Kp the
+    packed weights (:func:`_kpack`) of Co = work.size // Lz outputs, by tiles of CONV_MR
+    channels x one SIMD block of positions (positions outer: a block's inputs stay in L1 for
+    every channel tile); z lives in ``work``."""
+    Lz = geo[6]
+    Co = work.size // Lz
+    Ci, T = xp.shape[0], offs.size
+    xf, kf = xp.reshape(xp.size), Kp.reshape(Kp.size)
+    step = CONV_BLK * 4 // xp.itemsize
+    per_blk = Ci * T * CONV_MR
+    for j in range(0, geo[5], step):
+        for bk in range(Kp.shape[0]):
+            _tiles.conv_tile(work, bk * CONV_MR * Lz + j, Lz, Co - bk * CONV_MR, xf, j,
+                             xp.shape[1], kf, bk * per_blk, offs, T, Ci)
+    return work.reshape((Co, Lz))
 
 
 @njit(cache=True)
-def _conv_run(xp, Kg, go, oo, nrows, Wd, Hpl, RS, PS, work):
-    """z (Co, L) = sum over taps of K_t (Co, Ci) @ xp[:, offs[t] + j] over the sample's whole
-    run, xp (Ci, Np) C-contiguous, Kg (O, Co, Ci G) the grouped taps (:func:`_ktaps`): O GEMMs
-    per chunk accumulated in place, straight on xp (G 1) or on the chunk unfolded into col
-    (Ci G, Wc) (z and col in ``work``); returns z."""
-    O, Co, R = Kg.shape
-    G = go.size
-    L = _row_start(nrows - 1, Hpl, RS, PS) + Wd
-    Np = xp.shape[1]
-    rpc, Wc = _chunk_plan(Co, R // G, go, oo, nrows, Wd, Hpl, RS, PS)
-    z = work[:Co * L]
-    col = work[Co * L:Co * L + R * Wc]
-    src, ld = (xp.reshape(xp.size), Np) if G == 1 else (col, Wc)
-    for k in range((nrows + rpc - 1) // rpc):
-        _, _, j0, lc = _chunk(k, rpc, nrows, Wd, Hpl, RS, PS)
-        if G > 1:
-            _im2col(xp, go, j0, lc + oo[O - 1], col.reshape((R, Wc)))
-        base = j0 if G == 1 else 0
-        for o in range(O):
-            _gemm(110, 110, Co, lc, R, 1.0, Kg[o].reshape(Co * R), R, src[oo[o] + base:], ld,
-                  0.0 if o == 0 else 1.0, z[j0:], L)
-    return z.reshape((Co, L))
-
-
-@njit(cache=True)
-def _ktaps(Kmat, tmap, flip):
-    """Kmat (Co, Ci T) -> the grouped taps (O, Co, Ci G), [o, co, ci G + g] = K[co, ci,
-    tmap[o, g]]; with ``flip`` (O, Ci, Co G), [o, ci, co G + g] = K[co, ci, T-1-tmap[o, g]]:
-    the transposed convolution as a correlation with them."""
-    O, G = tmap.shape
-    T = O * G
-    Co, Ci = Kmat.shape[0], Kmat.shape[1] // T
-    out = np.empty((O, Ci, Co * G) if flip else (O, Co, Ci * G), dtype=Kmat.dtype)
-    for o in range(O):
-        for g in range(G):
-            t = tmap[o, g]
-            for co in range(Co):
-                for ci in range(Ci):
-                    if flip:
-                        out[o, ci, co * G + g] = Kmat[co, ci * T + T - 1 - t]
-                    else:
-                        out[o, co, ci * G + g] = Kmat[co, ci * T + t]
-    return out
+def _conv_kgrad(sp, xp, offs, geo, gKt):
+    """gKt (T, Co, Ci) = sum_j sp[c, q0 + j] xp[i, offs[t] + j] over the run (rounded up to a
+    vector: sp's border and slack are zero), by tiles of CONV_MR channels x NV taps."""
+    T, Co, Ci = gKt.shape
+    q0, Np = geo[3], geo[4]
+    vec = _tiles.VBYTES // sp.itemsize
+    n = (geo[5] + vec - 1) // vec * vec
+    spf, xpf, gf = sp.reshape(sp.size), xp.reshape(xp.size), gKt.reshape(gKt.size)
+    for bk in range((Co + CONV_MR - 1) // CONV_MR):
+        c0 = bk * CONV_MR
+        for i in range(Ci):
+            for t0 in range(0, T, _tiles.NV):
+                _tiles.kgrad_tile(gf, (t0 * Co + c0) * Ci + i, Ci, Co * Ci, Co - c0, T - t0,
+                                  spf, c0 * Np + q0, Np, xpf, i * Np, offs, t0, n)
 
 
 @njit(cache=True, fastmath={"reassoc"})
@@ -626,19 +514,19 @@ def _fwd_row(zr, xr, yr, Dr, bc, h, act, residual):
 
 
 @njit(cache=True)
-def _conv_sample_forward(x, bi, Kt, b, h, act, residual, go, oo, geo, xp, work, y, D):
+def _conv_sample_forward(x, bi, Kp, b, h, act, residual, offs, geo, xp, work, y, D):
     """y[bi] = [x[bi] +] h sigma(conv(x[bi]) + b) and D[bi] = sigma'(.) (each when non-empty);
-    x, y, D seen as (B, C, rows, W)."""
+    x, y, D seen as (B, C, rows, W); Kp the packed weights (:func:`_kpack`)."""
     Hpl, RS, PS, q0 = geo[0], geo[1], geo[2], geo[3]
     nrows, Wd = x.shape[2], x.shape[3]
     _pad_flat(x, x, bi, xp, False, Hpl, RS, PS, q0)
-    z = _conv_run(xp, Kt, go, oo, nrows, Wd, Hpl, RS, PS, work)
-    for c in range(Kt.shape[1]):
+    z = _conv_run(xp, Kp, offs, geo, work)
+    for c in range(z.shape[0]):
         bc = b[c]
         for r in range(nrows):
             start = _row_start(r, Hpl, RS, PS)
             zr = z[c, start:start + Wd]
-            xr = x[bi, c, r] if x.shape[1] == Kt.shape[1] else zr
+            xr = x[bi, c, r] if x.shape[1] == z.shape[0] else zr
             yr = y[bi, c, r] if y.shape[0] else zr[:0]
             Dr = D[bi, c, r] if D.shape[0] else zr[:0]
             if act == 0:  # a constant act per loop: its branches fold, the loops vectorise
@@ -650,32 +538,21 @@ def _conv_sample_forward(x, bi, Kt, b, h, act, residual, go, oo, geo, xp, work, 
 
 
 @njit(cache=True)
-def _conv_sample_vjp(sp, xp, bi, Kf, h, residual, go, oo, offs, geo, work, gy, gx, gKt, gb,
+def _conv_sample_vjp(sp, xp, bi, Kf, h, residual, offs, geo, work, gy, gx, gKt, gb,
                      want_input, want_params):
     """Of sample bi, from its padded cotangent sp (Co, Np) and padded input xp (Ci, Np): gx[bi]
-    = [gy[bi] +] h conv^T(s) (``want_input``; Kf (O, Ci, Co G) the flipped grouped taps), and
-    (``want_params``) gKt (T, Co, Ci) = S @ X_t^T per tap, S the run of sp from q0 and X_t that
-    of xp from offs[t], both read in place (gK[co, ci, t] = sum_j s[co, q0 + j] x[ci, offs[t] +
-    j]; unfolded taps measured slower here: OpenBLAS's small kernels for A B^T), in chunks as
-    long as the small kernels take (17 % faster than L1-sized ones at C 32), and gb (Co,)
-    float64 = sum of s (its border positions are zero)."""
-    Hpl, RS, PS, q0, Np = geo[0], geo[1], geo[2], geo[3], geo[4]
+    = [gy[bi] +] h conv^T(s) (``want_input``; Kf the flipped packed weights, :func:`_kpack`),
+    and (``want_params``) gKt (T, Co, Ci) by :func:`_conv_kgrad` and gb (Co,) float64 = sum of
+    s (its border positions are zero)."""
+    Hpl, RS, PS, q0, L = geo[0], geo[1], geo[2], geo[3], geo[5]
     nrows, Wd = gy.shape[2], gy.shape[3]
-    Ci, Co = Kf.shape[1], sp.shape[0]
     if want_params:
-        gb[:] = 0
-        spf, xpf = sp.reshape(sp.size), xp.reshape(xp.size)
-        rpc = _small_rows(Co * Ci, nrows, Wd, Hpl, RS, PS)  # long K: measured fastest
-        for k in range((nrows + rpc - 1) // rpc):
-            _, _, j0, lc = _chunk(k, rpc, nrows, Wd, Hpl, RS, PS)
-            for c in range(Co):
-                gb[c] += _sum64(sp[c, q0 + j0:q0 + j0 + lc])
-            for t in range(offs.size):
-                _gemm(110, 116, Co, Ci, lc, 1.0, spf[q0 + j0:], Np, xpf[offs[t] + j0:], Np,
-                      0.0 if k == 0 else 1.0, gKt[t].reshape(Co * Ci), Ci)
+        for c in range(sp.shape[0]):
+            gb[c] = _sum64(sp[c, q0:q0 + L])
+        _conv_kgrad(sp, xp, offs, geo, gKt)
     if want_input:
-        z = _conv_run(sp, Kf, go, oo, nrows, Wd, Hpl, RS, PS, work)
-        for c in range(Ci):
+        z = _conv_run(sp, Kf, offs, geo, work)
+        for c in range(z.shape[0]):
             for r in range(nrows):
                 start = _row_start(r, Hpl, RS, PS)
                 zr, gr, gyr = z[c, start:start + Wd], gx[bi, c, r], gy[bi, c, r]
@@ -694,14 +571,14 @@ def _conv_forward_into(x, Kmat, b, h, act, residual, y, D, nd, shape, nblk):
     samples on Numba's threads (:func:`_blocks`; the bits do not depend on it)."""
     B, Co = x.shape[0], Kmat.shape[0]
     geo = _conv_geometry(nd, shape)
-    go, oo, tmap = _tap_groups(nd, geo[1], geo[2], max(Co, x.shape[1]))
-    Kt = _ktaps(Kmat, tmap, False)
+    offs = _conv_offsets(nd, geo[1], geo[2])
+    Kp = _kpack(Kmat, offs.size, False)
     nblk = max(1, min(B, nblk))
     for blk in prange(nblk):  # a block of samples per thread: its scratch allocated once
         xp = np.zeros((x.shape[1], geo[4]), dtype=x.dtype)
-        work = _conv_work(Co, x.shape[1], go, oo, geo, x.shape[2], x.shape[3], x)
+        work = _conv_work(Co, geo, x)
         for bi in range(blk * B // nblk, (blk + 1) * B // nblk):
-            _conv_sample_forward(x, bi, Kt, b, h, act, residual, go, oo, geo, xp, work, y, D)
+            _conv_sample_forward(x, bi, Kp, b, h, act, residual, offs, geo, xp, work, y, D)
 
 
 @njit(cache=True)
@@ -724,23 +601,22 @@ def _conv_vjp_into(gy, deriv, x, Kmat, h, residual, want_input, want_params, nd,
     T = 9 if nd == 2 else 27
     Ci = Kmat.shape[1] // T
     geo = _conv_geometry(nd, shape)
-    go, oo, tmap = _tap_groups(nd, geo[1], geo[2], max(Co, Ci))
     offs = _conv_offsets(nd, geo[1], geo[2])
-    Kf = _ktaps(Kmat, tmap, True)
+    Kf = _kpack(Kmat, T, True)
     gKts = np.empty((B if want_params else 0, T, Co, Ci), dtype=gy.dtype)
     gbs = np.empty((B if want_params else 0, Co))
     nblk = max(1, min(B, nblk))
     for blk in prange(nblk):  # a block of samples per thread: its scratch allocated once
         sp = np.zeros((Co, geo[4]), dtype=gy.dtype)
         xp = np.zeros((Ci if want_params else 0, geo[4]), dtype=gy.dtype)
-        work = _conv_work(Ci, Co, go, oo, geo, nrows, Wd, gy)
+        work = _conv_work(Ci, geo, gy)
         gKt0 = np.empty((0, Co, Ci), dtype=gy.dtype)
         gb0 = np.empty(0)
         for bi in range(blk * B // nblk, (blk + 1) * B // nblk):
             _pad_flat(gy, deriv, bi, sp, True, geo[0], geo[1], geo[2], geo[3])
             if want_params:
                 _pad_flat(x, x, bi, xp, False, geo[0], geo[1], geo[2], geo[3])
-            _conv_sample_vjp(sp, xp, bi, Kf, h, residual, go, oo, offs, geo, work, gy, gx,
+            _conv_sample_vjp(sp, xp, bi, Kf, h, residual, offs, geo, work, gy, gx,
                              gKts[bi] if want_params else gKt0,
                              gbs[bi] if want_params else gb0, want_input, want_params)
     if want_params:
@@ -879,7 +755,7 @@ def conv_sweep_backward(U, D, W, h, lam, gW, gb):
 for _f, _ref in ((conv_forward, "conv_forward"), (conv_vjp_params, "conv_vjp_params"),
                  (conv_forward_deriv, "conv_forward_deriv"), (conv_deriv, "conv_deriv"),
                  (conv_vjp_input, "conv_vjp_input"), (conv_vjp, "conv_vjp")):
-    _f.__doc__ = (f"Numba kernel (implicit GEMM, threads over samples); contract of "
+    _f.__doc__ = (f"Numba kernel (SIMD register tiles, threads over samples); contract of "
                   f":func:`mgnn.backend.numpy_ref.{_ref}`.")
 
 
@@ -1161,17 +1037,17 @@ def _conv_planes(x, Kl, bl, Dl, h, act, xp, work, out, u, g, has_g, mode, h2, p,
                  adjoint):
     """One conv step of every sample into out by mode (forward: x + h sigma(conv(x) + b);
     adjoint: x + h conv^T(Dl * x); bl is not read); Kl (C, C, 3, 3) the layer's kernel, grouped
-    (flipped for the adjoint) by :func:`_ktaps`; with ``share`` also the same with h2, plain,
+    (flipped for the adjoint) by :func:`_kpack`; with ``share`` also the same with h2, plain,
     into p. The samples run through the single kernels' core (same bits)."""
     H, Wd = x.shape[2], x.shape[3]
     geo = _conv_geometry(2, (H, Wd))
     Hpl, RS, PS, q0 = geo[0], geo[1], geo[2], geo[3]
-    go, oo, tmap = _tap_groups(2, RS, PS, max(Kl.shape[0], Kl.shape[1]))
-    Kt = _ktaps(Kl.reshape((Kl.shape[0], Kl.shape[1] * 9)), tmap, adjoint)
+    offs = _conv_offsets(2, RS, PS)
+    Kp = _kpack(Kl.reshape((Kl.shape[0], Kl.shape[1] * 9)), 9, adjoint)
     for bi in range(x.shape[0]):
         _pad_flat(x, Dl, bi, xp, adjoint, Hpl, RS, PS, q0)
-        z = _conv_run(xp, Kt, go, oo, H, Wd, Hpl, RS, PS, work)
-        for c in range(Kt.shape[1]):
+        z = _conv_run(xp, Kp, offs, geo, work)
+        for c in range(z.shape[0]):
             bc = z.dtype.type(0) if adjoint else bl[c]
             xf, of = x[bi, c].reshape(H * Wd), out[bi, c].reshape(H * Wd)
             uf, gf = u[bi, c].reshape(H * Wd), g[bi, c].reshape(H * Wd)
@@ -1307,8 +1183,7 @@ def _conv_scratch(U, mode):
     z (C, L) of one sample) for stores U (slots, B, C, H, W)."""
     _, _, C, H, Wd = U.shape
     geo = _conv_geometry(2, (H, Wd))
-    go, oo, _ = _tap_groups(2, geo[1], geo[2], C)
-    return np.zeros((C, geo[4]), dtype=U.dtype), _conv_work(C, C, go, oo, geo, H, Wd, U)
+    return np.zeros((C, geo[4]), dtype=U.dtype), _conv_work(C, geo, U)
 
 
 @njit(cache=True)

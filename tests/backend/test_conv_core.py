@@ -1,6 +1,7 @@
-"""The Numba conv core (implicit GEMM over a flat padded layout, mgnn.backend.numba_cpu): the 2D
-and 3D kernels against the NumPy reference at sizes that cross its blocking (odd sizes, Ci != Co,
-B = 1, 1x1 images, images spanning several chunks, volumes whose chunks cross planes), both
+"""The Numba conv core (SIMD tiles over a flat padded layout, mgnn.backend.numba_cpu and
+conv_tiles): the tiles against NumPy, and the 2D and 3D kernels against the NumPy reference at
+sizes that cross its blocking (odd sizes, Ci != Co, B = 1, 1x1 images, channel counts not a
+multiple of the tile, runs with a ragged last tile, volumes whose runs cross planes), both
 dtypes; and the same bits for 1 and 2 threads (Numba's and BLAS's)."""
 import os
 import subprocess
@@ -17,15 +18,14 @@ from tests.conftest import assert_close
 REF = get_backend("numpy")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-#: (B, Ci, Co, H, W): odd sizes, C not a multiple of any block, B = 1, a 1x1 image, a tall
-#: image of one column, images of several chunks: unfolded taps (32 channels, 40 wide: 7 rows
-#: a chunk) and one GEMM a tap (40 channels, 20 wide: 9 rows a chunk; 70 wide: 2 rows a chunk,
-#: the last one short)
+#: (B, Ci, Co, H, W): odd sizes, C not a multiple of any tile, fewer channels than a tile, B = 1,
+#: a 1x1 image, a tall image of one column, long runs of many position tiles (the last ragged)
+#: at 17-40 channels
 SHAPES_2D = [(2, 3, 5, 7, 9), (1, 4, 4, 8, 8), (1, 1, 1, 1, 1), (3, 7, 7, 13, 1),
              (2, 5, 3, 40, 40), (1, 17, 17, 11, 12), (1, 32, 31, 20, 40), (2, 40, 40, 20, 20),
              (1, 40, 40, 9, 70)]
-#: (B, Ci, Co, D, H, W): volumes of one chunk, a 1-voxel one, one of more channels than are
-#: unfolded (one GEMM a tap), and one whose 8-row chunks cross its 13-row planes (Ci != Co)
+#: (B, Ci, Co, D, H, W): small volumes, a 1-voxel one, 33 -> 34 channels, and one whose position
+#: tiles cross its 13-row planes (Ci != Co)
 SHAPES_3D = [(2, 3, 5, 6, 7, 9), (1, 2, 2, 1, 1, 1), (1, 4, 3, 3, 2, 5), (1, 33, 34, 2, 3, 4),
              (1, 24, 20, 4, 13, 20)]
 
@@ -73,39 +73,71 @@ def test_conv3d_core_matches_the_reference(dtype, shape, rng):
     _check_all("conv3d", x, K, b, g, h, 1, dtype)
 
 
-def _plan(nd, Ci, Co, spatial):
-    geo = NB._conv_geometry(nd, spatial)
-    go, oo, tmap = NB._tap_groups(nd, geo[1], geo[2], max(Ci, Co))
-    nrows = int(np.prod(spatial[:-1]))
-    rpc, width = NB._chunk_plan(Co, Ci, go, oo, nrows, spatial[-1], geo[0], geo[1], geo[2])
-    return geo, go, oo, tmap, nrows, rpc, width
+def test_the_shapes_cross_every_tile_seam():
+    """The shapes above have ragged last tiles of both kinds (channels: Co and Ci not multiples
+    of CONV_MR, more than one channel tile and fewer channels than one; positions: runs longer
+    than a tile and not a multiple of it, in both dtypes' tile lengths), else the seams would go
+    untested; the 3D runs cross plane borders."""
+    MR, BLK = NB.CONV_MR, NB.CONV_BLK
+    seen = set()
+    for nd, shapes in ((2, SHAPES_2D), (3, SHAPES_3D)):
+        for shape in shapes:
+            Ci, Co, spatial = shape[1], shape[2], shape[3:]
+            geo = NB._conv_geometry(nd, spatial)
+            L, Lz = geo[5], geo[6]
+            assert Lz % BLK == 0 and 0 <= Lz - L < BLK
+            # a tile reads up to the last tap's offset plus Lz: within the slack
+            assert NB._conv_offsets(nd, geo[1], geo[2])[-1] + Lz <= geo[4]
+            for C in (Ci, Co):
+                seen.add("ragged channel tile" if C % MR and C > MR else
+                         "fewer channels than a tile" if C < MR else "whole channel tiles")
+            for blk in (BLK, BLK // 2):  # float32, float64
+                if L > blk and L % blk:
+                    seen.add(f"ragged position tile {blk}")
+    assert seen >= {"ragged channel tile", "fewer channels than a tile", "whole channel tiles",
+                    f"ragged position tile {BLK}", f"ragged position tile {BLK // 2}"}, seen
 
 
-def test_chunking_crosses_rows_and_planes():
-    """The shapes above span several chunks of both tap plans (unfolded rows of taps, one GEMM
-    a tap), a short last one among them, and 3D chunks that cross planes (else the chunk seams
-    would go untested); unfolded chunks keep their GEMMs within OpenBLAS's small-matrix
-    size."""
-    spans = {1: [], 3: []}
-    for (B, Ci, Co, H, W) in SHAPES_2D:
-        geo, go, oo, tmap, nrows, rpc, width = _plan(2, Ci, Co, (H, W))
-        assert tmap.shape == (9 // go.size, go.size) and go.size == (1 if max(Ci, Co) > 32 else 3)
-        if go.size == 3:
-            assert width == NB._max_chunk(rpc, nrows, W, *geo[:3]) + 2 * geo[1]
-            assert Co * Ci * 3 * (width - 2 * geo[1]) <= NB.CONV_SMALL_MNK
-        if rpc < H:
-            spans[go.size].append(H % rpc)
-    assert all(spans.values()) and any(spans[1]) and any(spans[3] + spans[1]), spans
-    # the kernel gradient's chunks (as long as the small GEMM kernels take) have seams too
-    assert any(NB._small_rows(Ci * Co, H, W, H, W + 1, 0) < H for (B, Ci, Co, H, W) in SHAPES_2D)
-    B, Ci, Co, D, H, W = SHAPES_3D[-1]
-    geo, go, oo, tmap, nrows, rpc, width = _plan(3, Ci, Co, (D, H, W))
-    assert rpc < nrows and rpc % H and sorted(tmap.ravel()) == list(range(27)), (rpc, nrows)
-    longest = NB._max_chunk(rpc, nrows, W, geo[0], geo[1], geo[2])
-    assert longest > (rpc - 1) * geo[1] + W  # a chunk spans a plane's border rows
-    assert Co * Ci * go.size * longest <= NB.CONV_SMALL_MNK and width == longest + 2 * geo[1]
-    offs = NB._conv_offsets(3, geo[1], geo[2])
-    assert all(offs[tmap[o, g]] == oo[o] + go[g] for o in range(3) for g in range(9))
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_the_simd_tiles_against_numpy(dtype, rng):
+    """conv_tile and kgrad_tile (mgnn.backend.conv_tiles) at arbitrary offsets and strides,
+    full and partial tiles (rows past nz / nr not stored, taps past nq not stored)."""
+    from numba import njit
+    from mgnn.backend import conv_tiles as CT
+
+    @njit
+    def conv(z, xp, w, offs, nz, nci):
+        CT.conv_tile(z, 3, 100, nz, xp, 5, 60, w, 2, offs, offs.size, nci)
+
+    @njit
+    def kgrad(g, s, xp, offs, nr, nq, n):
+        CT.kgrad_tile(g, 1, 7 * CT.NV, 2, nr, nq, s, 3, 50, xp, 4, offs, 1, n)
+
+    dt = np.dtype(dtype)
+    V, MR, NV = CT.vl(dt), CT.MR, CT.NV
+    xp = rng.standard_normal(4000).astype(dt)
+    w = rng.standard_normal(1000).astype(dt)
+    offs = np.array([0, 1, 7, 13, 2], np.int64)
+    for nz in (MR, 1, MR - 1):
+        z = np.full(MR * 100 + 100, -1, dt)
+        conv(z, xp, w, offs, nz, 3)
+        ref = np.full(z.size, -1.0)
+        for r in range(nz):
+            for j in range(NV * V):
+                ref[3 + r * 100 + j] = sum(np.float64(w[2 + (i * 5 + t) * MR + r])
+                                           * xp[5 + i * 60 + offs[t] + j]
+                                           for i in range(3) for t in range(5))
+        assert_close(z, ref.astype(dt), dtype, f"conv_tile nz {nz}")
+    n = 5 * V
+    for nr, nq in ((MR, NV), (1, 1), (MR - 1, NV - 1)):
+        g = np.full(1 + MR * 7 * NV + 2 * NV, -1, dt)
+        kgrad(g, xp, xp, offs, nr, nq, n)
+        ref = np.full(g.size, -1.0)
+        for r in range(nr):
+            for q in range(nq):
+                ref[1 + r * 7 * NV + q * 2] = sum(np.float64(xp[3 + r * 50 + j])
+                                                  * xp[4 + offs[1 + q] + j] for j in range(n))
+        assert_close(g, ref.astype(dt), dtype, f"kgrad_tile {nr} {nq}")
 
 
 def test_non_contiguous_inputs_are_accepted(rng):
