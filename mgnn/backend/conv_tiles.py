@@ -52,13 +52,20 @@ def _flat(ty, what):
         raise TypingError(f"{what} must be a 1-D C-contiguous float32/float64 array, got {ty}")
 
 
-def _ptr(context, builder, ty, val):
-    return context.make_array(ty)(context, builder, val).data
+def _lower_args(context, builder, signature, args):
+    """An intrinsic's arguments as LLVM values: arrays as their data pointers, integers
+    (literal or not) as i64."""
+    out = []
+    for v, t in zip(args, signature.args):
+        if isinstance(t, numba.types.Array):
+            out.append(context.make_array(t)(context, builder, v).data)
+        else:
+            out.append(context.cast(builder, v, t, numba.types.int64))
+    return out
 
 
 def _vec_type(context, dtype):
-    ft = context.get_value_type(dtype)
-    return ft, ir.VectorType(ft, VBYTES // (dtype.bitwidth // 8))
+    return ir.VectorType(context.get_value_type(dtype), VBYTES // (dtype.bitwidth // 8))
 
 
 def _i64(v):
@@ -97,16 +104,10 @@ def conv_tile(typingctx, z, zo, ldz, nz, xp, xo, ldx, w, wo, offs, ntap, nci):
     dt = z.dtype
 
     def codegen(context, builder, signature, args):
-        z_, zo_, ldz_, nz_, xp_, xo_, ldx_, w_, wo_, offs_, ntap_, nci_ = [
-            context.cast(builder, v, t, numba.types.int64)
-            if isinstance(t, (numba.types.Integer, numba.types.IntegerLiteral)) else v
-            for v, t in zip(args, signature.args)]
-        ft, vt = _vec_type(context, dt)
+        zp, zo_, ldz_, nz_, xpp, xo_, ldx_, wp, wo_, op, ntap_, nci_ = _lower_args(
+            context, builder, signature, args)
+        vt = _vec_type(context, dt)
         align = dt.bitwidth // 8
-        zp = _ptr(context, builder, signature.args[0], z_)
-        xpp = _ptr(context, builder, signature.args[4], xp_)
-        wp = _ptr(context, builder, signature.args[7], w_)
-        op = _ptr(context, builder, signature.args[9], offs_)
         fma = _fma(builder, vt)
         accs = _zeroed(builder, vt, MR * NV)
         splat = ir.Constant(ir.VectorType(ir.IntType(32), vt.count), [0] * vt.count)
@@ -154,16 +155,10 @@ def kgrad_tile(typingctx, g, go, ldr, ldq, nr, nq, s, so, lds, xp, xo, offs, t0,
     dt = g.dtype
 
     def codegen(context, builder, signature, args):
-        g_, go_, ldr_, ldq_, nr_, nq_, s_, so_, lds_, xp_, xo_, offs_, t0_, n_ = [
-            context.cast(builder, v, t, numba.types.int64)
-            if isinstance(t, (numba.types.Integer, numba.types.IntegerLiteral)) else v
-            for v, t in zip(args, signature.args)]
-        ft, vt = _vec_type(context, dt)
+        gp, go_, ldr_, ldq_, nr_, nq_, sp, so_, lds_, xpp, xo_, op, t0_, n_ = _lower_args(
+            context, builder, signature, args)
+        vt = _vec_type(context, dt)
         align = dt.bitwidth // 8
-        gp = _ptr(context, builder, signature.args[0], g_)
-        sp = _ptr(context, builder, signature.args[6], s_)
-        xpp = _ptr(context, builder, signature.args[9], xp_)
-        op = _ptr(context, builder, signature.args[11], offs_)
         fma = _fma(builder, vt)
         accs = _zeroed(builder, vt, MR * NV)
         last_r = builder.sub(nr_, _i64(1))
