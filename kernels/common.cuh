@@ -103,6 +103,63 @@ __device__ __forceinline__ T block_max(T value, T *scratch) {
     return total;
 }
 
+// ------------------------------------------------------------------------------- GEMM tile
+// C(m, n) = sum_k A(m, k) B(k, n) over one BM x BN tile of C per block, then store(m, n, c) for
+// every (m, n) of the tile inside M x N. A and B come through loaders; A_K / B_K: the loader's k
+// index is the contiguous one in memory (loads then run along k for coalescing), else m / n is.
+// Thread (tx, ty) owns rows ty + i * TY and columns tx + j * TX of the tile (coalesced stores).
+// gemm_tile_at: the tile at rows m0.., columns n0..; gemm_tile: the block's tile (blockIdx.y,
+// blockIdx.x). The k order of every sum is 0, 1, .. K-1 whatever the tile: the same bits.
+template <typename T, bool A_K, bool B_K, class LoadA, class LoadB, class Store>
+__device__ __forceinline__ void gemm_tile_at(int m0, int n0, int M, int N, int K,
+                                             const LoadA &load_a, const LoadB &load_b,
+                                             const Store &store) {
+    constexpr int TX = MGNN_BN / MGNN_TN, TY = MGNN_BM / MGNN_TM, NT = TX * TY;
+    __shared__ T As[MGNN_BK][MGNN_BM + 1];
+    __shared__ T Bs[MGNN_BK][MGNN_BN + 1];
+    const int tid = threadIdx.x, tx = tid % TX, ty = tid / TX;
+    T acc[MGNN_TM][MGNN_TN];
+    for (int i = 0; i < MGNN_TM; ++i)
+        for (int j = 0; j < MGNN_TN; ++j) acc[i][j] = T(0);
+    for (int k0 = 0; k0 < K; k0 += MGNN_BK) {
+        for (int e = tid; e < MGNN_BM * MGNN_BK; e += NT) {
+            const int mm = A_K ? e / MGNN_BK : e % MGNN_BM;
+            const int kk = A_K ? e % MGNN_BK : e / MGNN_BM;
+            const int m = m0 + mm, k = k0 + kk;
+            As[kk][mm] = (m < M && k < K) ? load_a(m, k) : T(0);
+        }
+        for (int e = tid; e < MGNN_BN * MGNN_BK; e += NT) {
+            const int nn = B_K ? e / MGNN_BK : e % MGNN_BN;
+            const int kk = B_K ? e % MGNN_BK : e / MGNN_BN;
+            const int n = n0 + nn, k = k0 + kk;
+            Bs[kk][nn] = (n < N && k < K) ? load_b(k, n) : T(0);
+        }
+        __syncthreads();
+        for (int kk = 0; kk < MGNN_BK; ++kk) {
+            T a[MGNN_TM], b[MGNN_TN];
+            for (int i = 0; i < MGNN_TM; ++i) a[i] = As[kk][ty + i * TY];
+            for (int j = 0; j < MGNN_TN; ++j) b[j] = Bs[kk][tx + j * TX];
+            for (int i = 0; i < MGNN_TM; ++i)
+                for (int j = 0; j < MGNN_TN; ++j) acc[i][j] += a[i] * b[j];
+        }
+        __syncthreads();
+    }
+    for (int i = 0; i < MGNN_TM; ++i) {
+        const int m = m0 + ty + i * TY;
+        for (int j = 0; j < MGNN_TN; ++j) {
+            const int n = n0 + tx + j * TX;
+            if (m < M && n < N) store(m, n, acc[i][j]);
+        }
+    }
+}
+
+template <typename T, bool A_K, bool B_K, class LoadA, class LoadB, class Store>
+__device__ __forceinline__ void gemm_tile(int M, int N, int K, const LoadA &load_a,
+                                          const LoadB &load_b, const Store &store) {
+    gemm_tile_at<T, A_K, B_K>(blockIdx.y * MGNN_BM, blockIdx.x * MGNN_BN, M, N, K, load_a, load_b,
+                              store);
+}
+
 // ------------------------------------------------------------------------ stacked states
 // A stacked launch (kernels/README.md, "Stacked states") runs `count` steps of one array of
 // states U (m, *state): problem p is the step into slot i = slot0 + p * stride (it reads U[i-1])

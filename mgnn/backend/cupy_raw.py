@@ -13,6 +13,7 @@ Importing this module needs neither CuPy nor a GPU.
 import contextlib
 import operator
 import os
+import re
 
 import numpy as np
 
@@ -30,7 +31,7 @@ KERNEL_FILES = {
     "conv.cu": ("conv_forward", "conv_forward_batched", "conv_vjp_input",
                 "conv_vjp_input_batched", "conv_kernel_grad", "conv_kernel_grad_batched",
                 "conv_stacked_forward", "conv_stacked_adjoint", "conv_deriv_stacked",
-                "conv_kernel_grad_stacked"),
+                "conv_kernel_grad_stacked", "conv_kernel_grad_sum"),
     "conv3d.cu": ("conv3d_forward", "conv3d_vjp_input", "conv3d_kernel_grad"),
     "head.cu": ("avgpool_forward", "avgpool_vjp", "softmax_xent"),
     "vector.cu": ("residual_batched", "combine_batched", "sum_partials"),
@@ -51,6 +52,11 @@ GPU_GEOMETRY = {"BM": 64, "BN": 64, "BK": 16, "TM": 4, "TN": 4, "REDUCE": 256, "
 #: crossover on a GPU (this default is a guess until it has run on one).
 GEMM_MIN_WIDTH = 512
 GEMM_MIN_WIDTH_ENV = "MGNN_GEMM_MIN_WIDTH"
+
+#: Positions (of B x spatial) per split of a conv kernel gradient: its GEMM (Co x Ci taps x B S)
+#: has few output tiles and a long depth, so the depth is split into this many positions per
+#: block, each split's partial written apart and the splits summed in order (deterministic).
+KGRAD_SPLIT = 1024
 
 
 def gemm_min_width_default():
@@ -126,14 +132,17 @@ def state_run(X, first, step, count, xp=np):
 
 
 def module_source(fname):
-    """CUDA C of ``kernels/<fname>`` with its ``#include "common.cuh"`` replaced by the header's
-    text (what CupyLauncher and the NVRTC check compile)."""
+    """CUDA C of ``kernels/<fname>`` with each ``#include "<header>.cuh"`` line replaced by that
+    header's text (what CupyLauncher and the NVRTC check compile; headers include no others)."""
     kdir = kernel_dir()
-    with open(f"{kdir}/common.cuh") as fh:
-        header = fh.read()
     with open(f"{kdir}/{fname}") as fh:
-        code = fh.read()
-    return code.replace('#include "common.cuh"', header)
+        lines = fh.read().split("\n")
+    for k, line in enumerate(lines):
+        match = re.fullmatch(r'#include "(\w+\.cuh)"', line.strip())
+        if match:
+            with open(f"{kdir}/{match.group(1)}") as fh:
+                lines[k] = fh.read()
+    return "\n".join(lines)
 
 
 def geometry_flags(geometry):
@@ -355,6 +364,8 @@ class RawBackend:
         self.poison_outputs = False
         #: dense layers at least this wide use the launcher's cuBLAS GEMM (:data:`GEMM_MIN_WIDTH`)
         self.gemm_min_width = gemm_min_width_default()
+        #: positions per split of a conv kernel gradient's GEMM depth (:data:`KGRAD_SPLIT`)
+        self.kgrad_split = KGRAD_SPLIT
         self._plans, self._scratch = {}, {}
         self._ws_counts, self._ws_buffers = None, {}
 
@@ -414,6 +425,23 @@ class RawBackend:
         g = self.geometry
         blocks = max(1, min(_cdiv(total, g["ELEM"]), g["MAX_GRID"]))
         self._launch(name, dtype, (blocks, count, 1), (g["ELEM"], 1, 1), *args)
+
+    def _kernel_grad(self, name, arrays, dims, positions, Co, entries, count, layers, layer0, gK,
+                     h):
+        """gK[l] (entries = Ci taps per output channel) of ``count`` problems in two launches:
+        the split-K GEMM partials of kernel ``name`` (``arrays`` and ``dims`` its leading
+        arguments; :attr:`kgrad_split` positions per split) into a scratch, then their ordered
+        sum (``conv_kernel_grad_sum``: l = layers[p], or layer0 + p when ``layers`` is None)."""
+        if not (count and Co and entries):
+            return
+        g, dt = self.geometry, gK.dtype
+        nsplit = max(1, _cdiv(positions, self.kgrad_split))  # conv_kgrad_splits
+        part = self._work("conv_kgrad_part", (count * nsplit * Co * entries,), dt)
+        threads = (g["BM"] // g["TM"]) * (g["BN"] // g["TN"])
+        self._launch(name, dt, (nsplit * _cdiv(entries, g["BN"]), _cdiv(Co, g["BM"]), count),
+                     (threads, 1, 1), *arrays, part, *dims, self.kgrad_split)
+        self._elementwise("conv_kernel_grad_sum", Co * entries, dt, part, nsplit, Co * entries,
+                          layers, layer0, gK, h, count=count)
 
     def _outputs(self, count, shape, dtype):
         """``count`` new arrays of ``shape`` -- views into one allocation -- and the device array
@@ -585,8 +613,8 @@ class RawBackend:
         Co = K.shape[0]
         y = self._empty((B, Co, H, Wd), x.dtype) if want_y else None
         d = self._empty((B, Co, H, Wd), x.dtype) if want_d else None
-        self._elementwise("conv_forward", B * Co * H * Wd, x.dtype, x, K, b, y, d, B, Ci, Co, H,
-                          Wd, self._h(h, x.dtype), act, int(residual))
+        self._gemm("conv_forward", Co, B * H * Wd, 1, x.dtype, x, K, b, y, d, B, Ci, Co, H, Wd,
+                   self._h(h, x.dtype), act, int(residual))
         return y, d
 
     def conv_forward(self, x, K, b, h, act, residual):
@@ -606,8 +634,8 @@ class RawBackend:
         B, Co, H, Wd = gy.shape
         Ci = K.shape[1]
         gx = self._empty((B, Ci, H, Wd), gy.dtype)
-        self._elementwise("conv_vjp_input", B * Ci * H * Wd, gy.dtype, gy, deriv, K, gx, B, Ci,
-                          Co, H, Wd, self._h(h, gy.dtype), int(residual))
+        self._gemm("conv_vjp_input", Ci, B * H * Wd, 1, gy.dtype, gy, deriv, K, gx, B, Ci, Co, H,
+                   Wd, self._h(h, gy.dtype), int(residual))
         return gx
 
     def conv_vjp_params(self, gy, deriv, x, h):
@@ -618,8 +646,8 @@ class RawBackend:
         gb = self._empty((Co,), gy.dtype)
         hh = self._h(h, gy.dtype)
         red = (self.geometry["REDUCE"], 1, 1)
-        self._launch("conv_kernel_grad", gy.dtype, (Co * Ci * 9, 1, 1), red, gy, deriv, x, gK, B,
-                     Ci, Co, H, Wd, hh)
+        self._kernel_grad("conv_kernel_grad", (gy, deriv, x), (B, Ci, Co, H, Wd), B * H * Wd,
+                          Co, Ci * 9, 1, None, 0, gK, hh)
         self._launch("bias_grad", gy.dtype, (Co, 1, 1), red, gy, deriv, gb, B, Co, H * Wd, hh)
         return gK, gb
 
@@ -635,9 +663,9 @@ class RawBackend:
         dt = xs[0].dtype
         ys, ptr_y = self._outputs(len(xs), xs[0].shape, dt)
         ds, ptr_d = self._outputs(len(xs), xs[0].shape, dt) if store_deriv else (None, None)
-        self._elementwise("conv_forward_batched", B * C * H * Wd, dt, self._pointers(xs), K, b,
-                          ptr_y, ptr_d, self._pointers(gs), self._layers(layers), B, C, H, Wd,
-                          self._h(h, dt), act, count=len(xs))
+        self._gemm("conv_forward_batched", C, B * H * Wd, len(xs), dt, self._pointers(xs), K, b,
+                   ptr_y, ptr_d, self._pointers(gs), self._layers(layers), B, C, H, Wd,
+                   self._h(h, dt), act)
         return ys, ds
 
     def conv_vjp_input_batched(self, gys, derivs, K, layers, h, gs=None):
@@ -645,9 +673,9 @@ class RawBackend:
         B, C, H, Wd = gys[0].shape
         dt = gys[0].dtype
         gxs, ptr_gx = self._outputs(len(gys), gys[0].shape, dt)
-        self._elementwise("conv_vjp_input_batched", B * C * H * Wd, dt, self._pointers(gys),
-                          self._pointers(derivs), K, ptr_gx, self._pointers(gs),
-                          self._layers(layers), B, C, H, Wd, self._h(h, dt), count=len(gys))
+        self._gemm("conv_vjp_input_batched", C, B * H * Wd, len(gys), dt, self._pointers(gys),
+                   self._pointers(derivs), K, ptr_gx, self._pointers(gs), self._layers(layers), B,
+                   C, H, Wd, self._h(h, dt))
         return gxs
 
     def conv_deriv_batched(self, xs, K, b, layers, act):
@@ -657,9 +685,8 @@ class RawBackend:
         B, C, H, Wd = xs[0].shape
         dt = xs[0].dtype
         ds, ptr_d = self._outputs(len(xs), xs[0].shape, dt)
-        self._elementwise("conv_forward_batched", B * C * H * Wd, dt, self._pointers(xs), K, b,
-                          None, ptr_d, None, self._layers(layers), B, C, H, Wd, self._h(1.0, dt),
-                          act, count=len(xs))
+        self._gemm("conv_forward_batched", C, B * H * Wd, len(xs), dt, self._pointers(xs), K, b,
+                   None, ptr_d, None, self._layers(layers), B, C, H, Wd, self._h(1.0, dt), act)
         return ds
 
     def conv_vjp_params_batched(self, gys, derivs, xs, layers, h, gK, gb):
@@ -670,8 +697,8 @@ class RawBackend:
         dt = xs[0].dtype
         hh, ptr_g, ptr_d = self._h(h, dt), self._pointers(gys), self._pointers(derivs)
         lay, red = self._layers(layers), (self.geometry["REDUCE"], 1, 1)
-        self._launch("conv_kernel_grad_batched", dt, (C * C * 9, len(xs), 1), red, ptr_g, ptr_d,
-                     self._pointers(xs), gK, lay, B, C, H, Wd, hh)
+        self._kernel_grad("conv_kernel_grad_batched", (ptr_g, ptr_d, self._pointers(xs)),
+                          (B, C, H, Wd), B * H * Wd, C, C * 9, len(xs), lay, 0, gK, hh)
         self._launch("bias_grad_batched", dt, (C, len(xs), 1), red, ptr_g, ptr_d, gb, lay, B, C,
                      H * Wd, hh)
 
@@ -694,8 +721,8 @@ class RawBackend:
         self._conv3d_size(B, max(Ci, Co), D, H, Wd)
         y = self._empty((B, Co, D, H, Wd), x.dtype) if want_y else None
         d = self._empty((B, Co, D, H, Wd), x.dtype) if want_d else None
-        self._elementwise("conv3d_forward", B * Co * D * H * Wd, x.dtype, x, K, b, y, d, B, Ci,
-                          Co, D, H, Wd, h, act, int(residual))
+        self._gemm("conv3d_forward", Co, B * D * H * Wd, 1, x.dtype, x, K, b, y, d, B, Ci, Co, D,
+                   H, Wd, h, act, int(residual))
         return y, d
 
     def conv3d_forward(self, x, K, b, h, act, residual):
@@ -719,8 +746,8 @@ class RawBackend:
         Ci = K.shape[1]
         self._conv3d_size(B, max(Ci, Co), D, H, Wd)
         gx = self._empty((B, Ci, D, H, Wd), gy.dtype)
-        self._elementwise("conv3d_vjp_input", B * Ci * D * H * Wd, gy.dtype, gy, deriv, K, gx, B,
-                          Ci, Co, D, H, Wd, h, int(residual))
+        self._gemm("conv3d_vjp_input", Ci, B * D * H * Wd, 1, gy.dtype, gy, deriv, K, gx, B, Ci,
+                   Co, D, H, Wd, h, int(residual))
         return gx
 
     def _conv3d_vjp_params(self, gy, deriv, x, h):
@@ -731,8 +758,8 @@ class RawBackend:
         gb = self._empty((Co,), gy.dtype)
         red = (self.geometry["REDUCE"], 1, 1)
         if Co * Ci:
-            self._launch("conv3d_kernel_grad", gy.dtype, (Co * Ci * 27, 1, 1), red, gy, deriv, x,
-                         gK, B, Ci, Co, D, H, Wd, h)
+            self._kernel_grad("conv3d_kernel_grad", (gy, deriv, x), (B, Ci, Co, D, H, Wd),
+                              B * D * H * Wd, Co, Ci * 27, 1, None, 0, gK, h)
         if Co:
             self._launch("bias_grad", gy.dtype, (Co, 1, 1), red, gy, deriv, gb, B, Co,
                          D * H * Wd, h)
@@ -876,9 +903,12 @@ class RawBackend:
             raise ValueError("R shares memory with U (the points kernels only read U)")
         g = self.geometry
         wide = kind == "dense" and self.wide(state[1])
-        if kind == "dense" and not wide:  # blocks per problem: GEMM tiles, or elementwise
+        if kind == "dense" and not wide:  # blocks per problem: GEMM tiles
             per_problem = _cdiv(state[1], g["BN"]) * _cdiv(state[0], g["BM"])
-        else:
+        elif kind == "conv":  # the implicit GEMM's tiles: channels x positions
+            per_problem = _cdiv(int(np.prod(state)) // state[1], g["BN"]) * _cdiv(state[1],
+                                                                                 g["BM"])
+        else:  # elementwise blocks (wide dense: the epilogue)
             per_problem = max(1, min(_cdiv(int(np.prod(state)), g["ELEM"]), g["MAX_GRID"]))
         head = (U, G, R, P, X) + ((d0,) if adjoint else ())
         tail = (self._h(h, dt),) + (() if adjoint else (operator.index(act),)) + (mode,)
@@ -895,7 +925,7 @@ class RawBackend:
             elif kind == "dense":
                 self._gemm(name, state[0], state[1], count, dt, *args)
             else:
-                self._launch(name, dt, (per_problem, count, 1), (g["ELEM"], 1, 1), *args)
+                self._gemm(name, state[1], int(np.prod(state)) // state[1], count, dt, *args)
             part += count * per_problem
         if mode != 0:
             return 0.0
@@ -1051,8 +1081,8 @@ class RawBackend:
         count = self._count(check_stacked_grads("conv", U, first, count, K, layer0, D, b))
         if count:
             B, C, H, Wd = U.shape[1:]
-            self._elementwise("conv_deriv_stacked", B * C * H * Wd, U.dtype, U, first, K, b,
-                              layer0, D, B, C, H, Wd, operator.index(act), count=count)
+            self._gemm("conv_deriv_stacked", C, B * H * Wd, count, U.dtype, U, first, K, b,
+                       layer0, D, B, C, H, Wd, operator.index(act))
 
     def conv_vjp_params_stacked(self, L, l_first, l_stride, D, U, u_first, count, layer0, h,
                                 gK, gb):
@@ -1063,8 +1093,8 @@ class RawBackend:
             B, C, H, Wd = U.shape[1:]
             hh, args, red = self._h(h, U.dtype), (L, l_first, l_stride, D), \
                 (self.geometry["REDUCE"], 1, 1)
-            self._launch("conv_kernel_grad_stacked", U.dtype, (C * C * 9, count, 1), red, *args,
-                         U, u_first, layer0, gK, B, C, H, Wd, hh)
+            self._kernel_grad("conv_kernel_grad_stacked", args + (U, u_first), (B, C, H, Wd),
+                              B * H * Wd, C, C * 9, count, None, layer0, gK, hh)
             self._launch("bias_grad_stacked", U.dtype, (C, count, 1), red, *args, layer0, gb, B,
                          C, H * Wd, hh)
 

@@ -498,7 +498,7 @@ def _sum64(a):
 def _fwd_row(zr, xr, yr, Dr, bc, h, act, residual):
     """One output row in one pass: v = zr + bc, yr = [xr +] h sigma(v) and Dr = sigma'(v), each
     when non-empty (the flags are loop-invariant: the loop is unswitched and vectorises). x + h
-    sigma is evaluated in float64 and rounded once, as the chain epilogue (:func:`_conv_out`)
+    sigma is evaluated in float64 and rounded once, as the chain epilogue (:func:`_phi_row`)
     does: sigma's type may differ between a constant and a variable act (branch pruning),
     float64 arithmetic on its value does not, so the bits agree."""
     want_y, want_d = yr.size > 0, Dr.size > 0
@@ -1009,27 +1009,48 @@ def _dense_adj_step(lam, Wl, Dl, h, s, z, out, u, g, has_g, mode):
 
 
 @njit(cache=True, inline="always")
-def _conv_out(x, e, h, zz, out, u, g, has_g, mode, act, adjoint):
-    """out[e] (states flattened per sample and channel) from the convolution's element zz:
-    x + h sigma(zz) (forward, zz with the bias; in float64, rounded once, as the single
-    kernels' :func:`_fwd_row`) / x + h zz (adjoint), then combined by mode."""
-    old = out[e]
-    if adjoint:
-        out[e] = x[e] + h * zz
+def _phi_row(xf, e0, zr, bc, h, act, adjoint, dst):
+    """dst = phi of one output row (elements e0 .. e0 + len(zr) of the flattened channel):
+    x + h sigma(zr + bc) (forward; in float64, rounded once, as the single kernels'
+    :func:`_fwd_row`) or x + h zr (adjoint). dst may be zr itself (element by element)."""
+    for xx in range(zr.size):
+        if adjoint:
+            dst[xx] = xf[e0 + xx] + h * zr[xx]
+        else:
+            dst[xx] = xf[e0 + xx] + h * np.float64(_sig(zr[xx] + bc, act))
+
+
+@njit(cache=True, inline="always")
+def _combine_row(v, o, u, g, has_g, mode):
+    """o = the arithmetic of :func:`_combine` on a row of phi v (mode 0 (v - u) [+ g],
+    1 (o + u) - v, 2 v [+ g]); the branches sit outside the loops, which vectorise."""
+    if mode == 1:
+        for k in range(v.size):
+            o[k] = (o[k] + u[k]) - v[k]
+    elif mode == 0 and has_g:
+        for k in range(v.size):
+            o[k] = (v[k] - u[k]) + g[k]
+    elif mode == 0:
+        for k in range(v.size):
+            o[k] = v[k] - u[k]
+    elif has_g:
+        for k in range(v.size):
+            o[k] = v[k] + g[k]
     else:
-        out[e] = x[e] + h * np.float64(_sig(zz, act))
-    out[e] = _combine(out[e], old, u[e], g[e], has_g, mode)
+        for k in range(v.size):
+            o[k] = v[k]
 
 
 @njit(cache=True, inline="always")
 def _chain_row(xf, of, uf, gf, pf, zr, e0, bc, h, h2, act, has_g, mode, share, adjoint):
-    """One output row of a chain step (elements e0 .. e0 + len(zr) of the flattened channel)
-    by :func:`_conv_out`; with ``share`` also the h2 step plain into pf."""
-    for xx in range(zr.size):
-        zz = zr[xx] if adjoint else zr[xx] + bc
-        _conv_out(xf, e0 + xx, h, zz, of, uf, gf, has_g, mode, act, adjoint)
-        if share:
-            _conv_out(xf, e0 + xx, h2, zz, pf, pf, pf, False, 2, act, adjoint)
+    """One output row of a chain step (elements e0 .. e0 + len(zr) of the flattened channel):
+    phi (:func:`_phi_row`) into zr in place, then combined into of by mode; with ``share``
+    first the h2 step plain into pf. Two passes that vectorise, the same bits as one."""
+    n = zr.size
+    if share:
+        _phi_row(xf, e0, zr, bc, h2, act, adjoint, pf[e0:e0 + n])
+    _phi_row(xf, e0, zr, bc, h, act, adjoint, zr)
+    _combine_row(zr, of[e0:e0 + n], uf[e0:e0 + n], gf[e0:e0 + n], has_g, mode)
 
 
 @njit(cache=True)

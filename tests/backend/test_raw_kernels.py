@@ -198,8 +198,40 @@ def test_every_kernel_runs_under_host_emulation(geometry, dtype, rng):
     B, w = (9, 10) if geometry == "emulation" else (70, 67)  # several blocks either way
     _compare(_exercise(bk, rng, np.dtype(dtype), B, w), np.dtype(dtype))
     bk.gemm_min_width = w  # the wide-layer path: cuBLAS stand-in GEMMs + epilogue kernels
+    bk.kgrad_split = 7  # and conv kernel gradients summed over several splits, the last ragged
     _compare(_exercise(bk, rng, np.dtype(dtype), B, w), np.dtype(dtype))
     assert seen == ALL_KERNELS  # the epilogue kernels ran: the second pass took the wide path
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_conv_gemm_tiles_seams_and_splits_under_emulation(dtype, rng):
+    """The implicit-GEMM conv kernels where channels span several tiles and neither channels,
+    positions nor the kernel gradient's splits divide evenly (tiny emulation tiles: 8 x 8, depth
+    4): 2D Ci 11 -> Co 10 on odd images, B = 1, and 3D Ci 9 -> Co 10, against the reference."""
+    dt = np.dtype(dtype)
+    bk = RawBackend(EmulationLauncher(list(KERNEL_FILES), KERNEL_FILES), "cuda-emulated")
+    bk.poison_outputs = True
+    bk.kgrad_split = 13
+    r = lambda *s: rng.standard_normal(s).astype(dt)  # noqa: E731
+    h = dt.type(0.3)
+    for B, Ci, Co, H, W in ((2, 11, 10, 5, 3), (1, 10, 10, 3, 7)):
+        x, K, b, gy = r(B, Ci, H, W), r(Co, Ci, 3, 3) * 0.3, r(Co), r(B, Co, H, W)
+        d = REF.conv_deriv(x, K, b, 0)
+        name = f"conv B{B} {Ci}->{Co} {H}x{W}"
+        for got, want in zip(bk.conv_forward_deriv(x, K, b, h, 0, Ci == Co),
+                             REF.conv_forward_deriv(x, K, b, h, 0, Ci == Co)):
+            assert_close(got, want, dt, name + " forward")
+        for got, want in zip(bk.conv_vjp(gy, d, x, K, h, Ci == Co),
+                             REF.conv_vjp(gy, d, x, K, h, Ci == Co)):
+            assert_close(got, want, dt, name + " vjp")
+    v, K3, b3, gv = r(2, 9, 3, 4, 3), r(10, 9, 3, 3, 3) * 0.2, r(10), r(2, 10, 3, 4, 3)
+    d3 = REF.conv3d_deriv(v, K3, b3, 1)
+    for got, want in zip(bk.conv3d_forward_deriv(v, K3, b3, h, 1, False),
+                         REF.conv3d_forward_deriv(v, K3, b3, h, 1, False)):
+        assert_close(got, want, dt, "conv3d forward")
+    for got, want in zip(bk.conv3d_vjp(gv, d3, v, K3, h, False),
+                         REF.conv3d_vjp(gv, d3, v, K3, h, False)):
+        assert_close(got, want, dt, "conv3d vjp")
 
 
 def test_poisoned_outputs_catch_an_unwritten_element(rng):
