@@ -18,6 +18,8 @@ Sections (each check guarded: an exception becomes a FAIL row and the rest still
 3. bench  a. fused dense step forward (RawKernel) vs matmul + a separate elementwise epilogue;
           a'. a stacked relaxation wave, fused kernel vs cuBLAS + epilogue, over widths 64-1024:
              the measured crossover for ``MGNN_GEMM_MIN_WIDTH``;
+          a''. the conv kernels (forward + state vjp + kernel gradient) vs cuDNN (or im2col +
+             cuBLAS where CuPy cannot load cuDNN) at C 8/16/32 28x28 B 32 and 3D 16^3 B 8;
           b. Numba CUDA memory-bound kernels (axpy, sq_norm, residual, correct) as effective
              bandwidth vs a device-to-device copy;
           c. one training step: MGRIT with stacked level states vs layer-by-layer serial
@@ -565,6 +567,126 @@ def bench_dense(rep, st, dtype, target):
             status=target_status(ratio, target, st) if target else "INFO")
 
 
+def _conv_baseline(xp, nd):
+    """(name, fwd(x, K) -> z, bwd_data(s, K) -> conv^T, bwd_filter(x, s) -> gK) of the vendor
+    library a user would pick: cuDNN through CuPy's binding where it loads, else im2col + one
+    ``xp.matmul`` (cuBLAS on a GPU) per convolution. Zero padding 1, stride 1, no bias."""
+    pad, one = (1,) * nd, (1,) * nd
+    try:
+        if xp.__name__ == "numpy":
+            raise ImportError("no cuDNN without a GPU")
+        from cupyx import cudnn  # needs libcudnn on the machine
+
+        def fwd(x, K):
+            y = xp.empty((x.shape[0], K.shape[0]) + x.shape[2:], x.dtype)
+            cudnn.convolution_forward(x, K, None, y, pad, one, one, 1, auto_tune=True,
+                                      tensor_core="never")
+            return y
+
+        def bwd_data(s, K):
+            gx = xp.empty((s.shape[0], K.shape[1]) + s.shape[2:], s.dtype)
+            cudnn.convolution_backward_data(K, s, None, gx, pad, one, one, 1, deterministic=True,
+                                            auto_tune=True, tensor_core="never")
+            return gx
+
+        def bwd_filter(x, s):
+            gK = xp.empty((s.shape[1], x.shape[1]) + (3,) * nd, x.dtype)
+            cudnn.convolution_backward_filter(x, s, gK, pad, one, one, 1, deterministic=True,
+                                              auto_tune=True, tensor_core="never")
+            return gK
+
+        x0 = xp.ones((1, 1) + (3,) * nd, xp.float32)
+        fwd(x0, xp.ones((1, 1) + (3,) * nd, xp.float32))  # raises here if cuDNN is missing
+        return "cuDNN (cupyx.cudnn)", fwd, bwd_data, bwd_filter
+    except Exception:  # noqa: BLE001 -- no cuDNN: the cuBLAS baseline
+        pass
+
+    def cols(x):  # (B, C, *S) -> (C taps, B prod(S)) of the zero-padded input
+        B, C = x.shape[:2]
+        S = x.shape[2:]
+        xp_ = xp.pad(x, [(0, 0), (0, 0)] + [(1, 1)] * nd)
+        taps = []
+        for t in range(3 ** nd):
+            off = [(t // 3 ** (nd - 1 - a)) % 3 for a in range(nd)]
+            sl = tuple(slice(o, o + n) for o, n in zip(off, S))
+            taps.append(xp_[(slice(None), slice(None)) + sl])
+        c = xp.stack(taps, axis=2)  # (B, C, T, *S)
+        return c.reshape(B, C * 3 ** nd, -1).transpose(1, 0, 2).reshape(C * 3 ** nd, -1)
+
+    def rows(a):  # (B, C, *S) -> (C, B prod(S))
+        return a.reshape(a.shape[0], a.shape[1], -1).transpose(1, 0, 2).reshape(a.shape[1], -1)
+
+    def back(z, shape):  # (C, B prod(S)) -> (B, C, *S)
+        return xp.ascontiguousarray(z.reshape((shape[1], shape[0]) + shape[2:]).swapaxes(0, 1))
+
+    def fwd(x, K):
+        z = xp.matmul(K.reshape(K.shape[0], -1), cols(x))
+        return back(z, (x.shape[0], K.shape[0]) + x.shape[2:])
+
+    def bwd_data(s, K):
+        Kf = xp.flip(K, axis=tuple(range(2, 2 + nd))).swapaxes(0, 1)
+        return fwd(s, xp.ascontiguousarray(Kf))
+
+    def bwd_filter(x, s):
+        return xp.matmul(rows(s), cols(x).T).reshape((s.shape[1], x.shape[1]) + (3,) * nd)
+
+    return f"im2col + {'cuBLAS' if xp.__name__ != 'numpy' else 'NumPy'} matmul", fwd, bwd_data, \
+        bwd_filter
+
+
+def bench_conv(rep, st):
+    """3a'': the conv step's three convolutions (forward with the fused epilogue and sigma',
+    state vjp, kernel + bias gradient) of the cuda backend against the vendor library (cuDNN
+    where CuPy loads it, else im2col + cuBLAS) at the issue's shapes, float32 relu: results
+    checked against each other first, then timed side by side; ratio = vendor time / mgnn time
+    (> 1: mgnn faster)."""
+    import numpy as np
+    from mgnn.backend import get_backend
+    S = "bench"
+    xp, bk = st.xp, get_backend(st.backend)
+    dt = np.dtype(np.float32)
+    h = dt.type(0.1)
+    shapes = ([(2, 3, (5, 6)), (2, 3, (3, 4, 3))] if st.emulated else
+              [(32, 8, (28, 28)), (32, 16, (28, 28)), (32, 32, (28, 28)), (8, 8, (16, 16, 16)),
+               (8, 16, (16, 16, 16))])
+    rng = np.random.default_rng(0)
+    for B, C, spatial in shapes:
+        nd = len(spatial)
+        name, fwd, bwd_data, bwd_filter = _conv_baseline(xp, nd)
+        tag = f"conv{nd}d C={C} {'x'.join(map(str, spatial))} B={B} float32 relu"
+        key = f"bench.conv.{nd}d.c{C}"
+        x = xp.asarray(rng.standard_normal((B, C) + spatial).astype(dt))
+        gy = xp.asarray(rng.standard_normal((B, C) + spatial).astype(dt))
+        K = xp.asarray((rng.standard_normal((C, C) + (3,) * nd) / np.sqrt(9 * C)).astype(dt))
+        b = xp.asarray((0.1 * rng.standard_normal(C)).astype(dt))
+        p = "conv3d_" if nd == 3 else "conv_"
+        fwd_deriv, vjp_in, vjp_par = (getattr(bk, p + k) for k in
+                                      ("forward_deriv", "vjp_input", "vjp_params"))
+        y, d = fwd_deriv(x, K, b, h, 1, True)
+        s = d * gy
+        checks = {"forward": (y, x + h * xp.maximum(fwd(x, K) + b.reshape((1, C) + (1,) * nd),
+                                                    0)),
+                  "vjp": (vjp_in(gy, d, K, h, True), gy + h * bwd_data(s, K)),
+                  "kgrad": (vjp_par(gy, d, x, h)[0], h * bwd_filter(x, s))}
+        st.sync()
+        err = max(float(xp.abs(a - r).max()) / max(float(xp.abs(r).max()), 1e-30)
+                  for a, r in checks.values())
+        rep.add(key + ".error", S, f"{tag}: mgnn == {name}", value=err,
+                display=f"max rel. diff {err:.2e}", target="<= 1e-4",
+                status="PASS" if err <= 1e-4 else "FAIL")
+        fns = {"mgnn": lambda: (fwd_deriv(x, K, b, h, 1, True), vjp_in(gy, d, K, h, True),
+                                vjp_par(gy, d, x, h)),
+               "vendor": lambda: (fwd(x, K), bwd_data(s, K), bwd_filter(x, s))}
+        t = median_times(fns, st.sync, st.repeats, st.warmup, st.min_time)
+        flops = 3 * 2.0 * B * C * C * 3 ** nd * int(np.prod(spatial))
+        for k, label in (("mgnn", "mgnn RawKernels fwd+vjp+kgrad"), ("vendor", name)):
+            rep.add(f"{key}.{k}_s", S, f"{tag}: {label}", value=t[k], unit="s",
+                    display=f"{fmt_seconds(t[k])} ({fmt_flops(flops / t[k])})")
+        ratio = t["vendor"] / t["mgnn"]
+        rep.add(key + ".ratio", S, f"{tag}: {name} time / mgnn time", value=ratio, unit="x",
+                display=f"{ratio:.3g}x", target=">= 1 (info)", status="INFO")
+
+
 def bench_gemm_crossover(rep, st):
     """3a': the width from which a stacked dense wave is faster on cuBLAS (strided-batched GEMM
     + mgnn's epilogue kernel) than in the fused hand-written kernel: one relaxation wave of
@@ -809,6 +931,7 @@ def section_bench(rep, st, args):
             ("bench.dense.float32", "3a fused dense step float32", bench_dense, ("float32", 0.8)),
             ("bench.dense.float64", "3a fused dense step float64", bench_dense, ("float64", None)),
             ("bench.gemm", "3a' cuBLAS crossover of stacked waves", bench_gemm_crossover, ()),
+            ("bench.conv", "3a'' conv kernels vs cuDNN", bench_conv, ()),
             ("bench.mem", "3b memory-bound Numba CUDA kernels", bench_memory, (0.8,)),
             ("bench.train", "3c training step MGRIT vs serial", bench_train, (3.0,))):
         guarded(rep, id, S, check, fn, rep, st, *extra)

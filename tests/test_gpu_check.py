@@ -26,7 +26,8 @@ BENCH_ROWS = ("bench.dense.float32.fused_s", "bench.dense.float32.unfused_s",
               "bench.train.mgrit_nographs_s", "bench.train.graphs_equal",
               "bench.train.launches", "bench.gemm.w8.error", "bench.gemm.w8.ratio",
               "bench.gemm.w16.error", "bench.gemm.w16.ratio",
-              "bench.gemm.w16.adjoint_error")
+              "bench.gemm.w16.adjoint_error", "bench.conv.2d.c3.error", "bench.conv.2d.c3.ratio",
+              "bench.conv.3d.c3.error", "bench.conv.3d.c3.mgnn_s")
 
 needs_emulation = pytest.mark.skipif("cuda-emulated" not in available_backends(),
                                      reason="the cuda-emulated backend needs a C++ compiler")
