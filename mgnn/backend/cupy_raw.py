@@ -57,6 +57,9 @@ GEMM_MIN_WIDTH_ENV = "MGNN_GEMM_MIN_WIDTH"
 #: has few output tiles and a long depth, so the depth is split into this many positions per
 #: block, each split's partial written apart and the splits summed in order (deterministic).
 KGRAD_SPLIT = 1024
+#: Most elements of the split-K partials of one kernel-gradient launch (all its problems): fewer,
+#: longer splits above it (64 MB of float32; the scratch is cached, never shrunk).
+KGRAD_PART_MAX = 1 << 24
 
 
 def gemm_min_width_default():
@@ -416,10 +419,13 @@ class RawBackend:
         self.launcher.launch(name, np.dtype(dtype), grid, block, args)
 
     def _gemm(self, name, M, N, count, dtype, *args):
+        """A GEMM launch: grid (ceil(N / BN), ceil(M / BM), count); nothing for an empty grid
+        (CUDA rejects one; no output element exists)."""
         g = self.geometry
         threads = (g["BM"] // g["TM"]) * (g["BN"] // g["TN"])
-        self._launch(name, dtype, (_cdiv(N, g["BN"]), _cdiv(M, g["BM"]), count), (threads, 1, 1),
-                     *args)
+        grid = (_cdiv(N, g["BN"]), _cdiv(M, g["BM"]), count)
+        if min(grid) > 0:
+            self._launch(name, dtype, grid, (threads, 1, 1), *args)
 
     def _elementwise(self, name, total, dtype, *args, count=1):
         g = self.geometry
@@ -434,12 +440,19 @@ class RawBackend:
         sum (``conv_kernel_grad_sum``: l = layers[p], or layer0 + p when ``layers`` is None)."""
         if not (count and Co and entries):
             return
+        if operator.index(self.kgrad_split) < 1:
+            raise ValueError(f"kgrad_split={self.kgrad_split!r}: expected a positive number of "
+                             "positions per split")
         g, dt = self.geometry, gK.dtype
-        nsplit = max(1, _cdiv(positions, self.kgrad_split))  # conv_kgrad_splits
+        # splits of kgrad_split positions, fewer where their partials would pass KGRAD_PART_MAX
+        nsplit = min(max(1, _cdiv(positions, self.kgrad_split)),
+                     max(1, KGRAD_PART_MAX // (count * Co * entries)))
+        ksplit = max(1, _cdiv(positions, nsplit))
+        nsplit = max(1, _cdiv(positions, ksplit))  # what the kernels compute (conv_kgrad_splits)
         part = self._work("conv_kgrad_part", (count * nsplit * Co * entries,), dt)
         threads = (g["BM"] // g["TM"]) * (g["BN"] // g["TN"])
         self._launch(name, dt, (nsplit * _cdiv(entries, g["BN"]), _cdiv(Co, g["BM"]), count),
-                     (threads, 1, 1), *arrays, part, *dims, self.kgrad_split)
+                     (threads, 1, 1), *arrays, part, *dims, ksplit)
         self._elementwise("conv_kernel_grad_sum", Co * entries, dt, part, nsplit, Co * entries,
                           layers, layer0, gK, h, count=count)
 
@@ -906,8 +919,8 @@ class RawBackend:
         if kind == "dense" and not wide:  # blocks per problem: GEMM tiles
             per_problem = _cdiv(state[1], g["BN"]) * _cdiv(state[0], g["BM"])
         elif kind == "conv":  # the implicit GEMM's tiles: channels x positions
-            per_problem = _cdiv(int(np.prod(state)) // state[1], g["BN"]) * _cdiv(state[1],
-                                                                                 g["BM"])
+            per_problem = _cdiv(state[0] * int(np.prod(state[2:])), g["BN"]) * _cdiv(state[1],
+                                                                                     g["BM"])
         else:  # elementwise blocks (wide dense: the epilogue)
             per_problem = max(1, min(_cdiv(int(np.prod(state)), g["ELEM"]), g["MAX_GRID"]))
         head = (U, G, R, P, X) + ((d0,) if adjoint else ())
@@ -925,7 +938,7 @@ class RawBackend:
             elif kind == "dense":
                 self._gemm(name, state[0], state[1], count, dt, *args)
             else:
-                self._gemm(name, state[1], int(np.prod(state)) // state[1], count, dt, *args)
+                self._gemm(name, state[1], state[0] * int(np.prod(state[2:])), count, dt, *args)
             part += count * per_problem
         if mode != 0:
             return 0.0

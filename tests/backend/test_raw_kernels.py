@@ -10,6 +10,7 @@ from mgnn.backend import get_backend, gpu_available, numpy_ref as REF
 from mgnn.backend.cupy_raw import GPU_GEOMETRY, KERNEL_FILES, RawBackend, compile_with_nvcc
 from mgnn.backend.host_emulation import EMULATION_GEOMETRY, EmulationLauncher
 from mgnn.backend import counter_rng
+from mgnn.backend import cupy_raw as raw
 from tests.backend.test_bn_kernels import bn_chain
 from tests.backend.test_recurrent_kernels import recurrent_chain
 from tests.conftest import assert_close
@@ -207,7 +208,7 @@ def test_every_kernel_runs_under_host_emulation(geometry, dtype, rng):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_conv_gemm_tiles_seams_and_splits_under_emulation(dtype, rng):
+def test_conv_gemm_tiles_seams_and_splits_under_emulation(dtype, rng, monkeypatch):
     """The implicit-GEMM conv kernels where channels span several tiles and neither channels,
     positions nor the kernel gradient's splits divide evenly (tiny emulation tiles: 8 x 8, depth
     4): 2D Ci 11 -> Co 10 on odd images, B = 1, and 3D Ci 9 -> Co 10, against the reference."""
@@ -227,6 +228,22 @@ def test_conv_gemm_tiles_seams_and_splits_under_emulation(dtype, rng):
         for got, want in zip(bk.conv_vjp(gy, d, x, K, h, Ci == Co),
                              REF.conv_vjp(gy, d, x, K, h, Ci == Co)):
             assert_close(got, want, dt, name + " vjp")
+    # the partials' cap (2 of them): 2 splits of 15 positions instead of 13, 13 and 4
+    monkeypatch.setattr(raw, "KGRAD_PART_MAX", 2 * 10 * 11 * 9)
+    launches = []
+    real = bk.launcher.launch
+    bk.launcher.launch = lambda name, dt, grid, *a: (launches.append((name, grid)),
+                                                     real(name, dt, grid, *a))
+    x, K, gy = r(1, 11, 5, 6), r(10, 11, 3, 3) * 0.3, r(1, 10, 5, 6)
+    d = REF.conv_deriv(x, K, b, 2)
+    for got, want in zip(bk.conv_vjp_params(gy, d, x, h), REF.conv_vjp_params(gy, d, x, h)):
+        assert_close(got, want, dt, "conv kernel gradient, capped partials")
+    assert launches[0] == ("conv_kernel_grad", (2 * 13, 2, 1))  # 2 splits x 13 tiles of 99
+    bk.launcher.launch = real
+    with pytest.raises(ValueError, match="kgrad_split=0"):
+        bk.kgrad_split = 0
+        bk.conv_vjp_params(gy, d, x, h)
+    bk.kgrad_split = 13
     v, K3, b3, gv = r(2, 9, 3, 4, 3), r(10, 9, 3, 3, 3) * 0.2, r(10), r(2, 10, 3, 4, 3)
     d3 = REF.conv3d_deriv(v, K3, b3, 1)
     for got, want in zip(bk.conv3d_forward_deriv(v, K3, b3, h, 1, False),
