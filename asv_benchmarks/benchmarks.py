@@ -178,7 +178,7 @@ class TrainStep(_Warm):
             self.lp = LayerParallel(model)
         else:
             self.lp = LayerParallel(model, fwd=MGRITOptions(max_iter=2, **common),
-                                    bwd=MGRITOptions(max_iter=1, **common))
+                                    bwd=MGRITOptions(max_iter=1, **common), guard=None)
         rng = np.random.default_rng(0)
         self.x = rng.standard_normal((64, 64))
         self.y = rng.integers(0, 10, 64)
@@ -291,7 +291,7 @@ class GRUTrainStep(_Warm):
         common = dict(cf=4, max_levels=2, tol=0.0)
         opts = {} if method == "serial" else dict(fwd=MGRITOptions(max_iter=2, **common),
                                                   bwd=MGRITOptions(max_iter=1, **common))
-        self.lp = LayerParallel(model, **opts)
+        self.lp = LayerParallel(model, **opts, guard=None)
         rng = np.random.default_rng(0)
         self.x = rng.standard_normal((H, seq_len, 4)).astype(np.float32)
         self.y = rng.integers(0, 4, H)

@@ -9,6 +9,7 @@ from .blocks import gradcheck
 from .data import load_dataset, load_digits, load_mnist, load_synthetic, read_idx
 from .mgrit import (DivergenceError, MGRITOptions, MGRITResult, MGRITSolver,
                     NotConvergedWarning)
+from .guard import GradientGuard, GuardWarning
 from .errors import CheckpointError, DataFormatError, GradcheckError, MGNNError
 from .network import (LayerParallel, Model, conv_resnet, dense_resnet, gru_classifier,
                       rnn_classifier)
@@ -23,4 +24,4 @@ __all__ = ["MGRITOptions", "MGRITSolver", "MGRITResult", "dense_resnet", "conv_r
            "SGD", "Adam", "gradcheck", "fit", "save_checkpoint", "load_checkpoint", "read_idx",
            "load_dataset", "load_digits", "load_mnist", "load_synthetic", "MGNNError",
            "GradcheckError", "DataFormatError", "CheckpointError", "DivergenceError",
-           "NotConvergedWarning"]
+           "NotConvergedWarning", "GradientGuard", "GuardWarning"]

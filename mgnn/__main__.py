@@ -80,6 +80,11 @@ def _train_parser(sub):
     g.add_argument("--min-coarse", type=int, default=2, help="least intervals on a coarse level")
     g.add_argument("--skip-downcycle", action="store_true",
                    help="cycle 0 is a cascadic initial guess (XBraid's skip)")
+    g.add_argument("--guard", choices=["auto", "off"], default="auto",
+                   help="gradient guard (default auto): check MGRIT gradients against exact ones "
+                        "now and then, iterate further or propagate exactly where MGRIT does not "
+                        "converge (docs/design.md, 'When layer-parallel gradients are good "
+                        "enough'); off: the fixed cycle budget, unwatched")
     g.add_argument("--warm-start", action="store_true",
                    help="start each forward solve from the previous batch's states")
     g.add_argument("--coarsest", choices=["redundant", "sequential"], default="redundant",
@@ -543,7 +548,8 @@ def cmd_train(args, comm=None):
                                              data_ranks=args.data_ranks,
                                              coarsest=args.coarsest, sync_bn=args.sync_bn,
                                              spatial_levels=_spatial_levels(args),
-                                             interp=args.interp, restrict=args.restrict))
+                                             interp=args.interp, restrict=args.restrict,
+                                             guard=args.guard))
     # after LayerParallel: the cuda backend has moved the parameters to the GPU
     opt = make_optimizer(args.optimizer, model.params.flat, lr, args.momentum, args.weight_decay)
     schedule = make_lr_schedule(args.lr_schedule, lr, meta.get("lr_epochs"),
@@ -571,7 +577,8 @@ def cmd_train(args, comm=None):
         sizes = level_sizes(args.layers, args.cf, args.levels, args.min_coarse)
         log(f"MGRIT: levels {sizes} (intervals), cf {args.cf}, nrelax {args.nrelax}, "
             f"{args.fwd_iters} forward / {args.bwd_iters} adjoint {args.cycle}-cycles, "
-            f"skip_downcycle {args.skip_downcycle}, warm start {args.warm_start}")
+            f"skip_downcycle {args.skip_downcycle}, warm start {args.warm_start}, "
+            f"guard {lp.guard if lp.guard is not None else 'off'}")
     tj = time.perf_counter()
     kept = model.buffers.flat.copy(), model.train_steps  # the compile steps train nothing
     _compile_on_rank_zero_first(comm, lp, lambda: LayerParallel(
@@ -580,6 +587,8 @@ def cmd_train(args, comm=None):
         xtr[:2], ds.y_train[:2], log)
     lp.loss_and_grad(xtr[:2], ds.y_train[:2])  # compile (or load cached) kernels before timing
     model.buffers.flat[...], model.train_steps = kept
+    if lp.guard is not None:  # the warm-up step's check trained nothing
+        lp.guard.reset()
     opt.warm_up()  # the optimizer's update kernel too (Numba CUDA on the GPU)
     restore_warm_states(lp, ckpt and ckpt["warm"])  # not the compile batch's states
     timings = {}
@@ -601,6 +610,12 @@ def cmd_train(args, comm=None):
     log(f"final test accuracy {100 * acc:.2f}%  ({train_s:.1f} s training, "
         f"{summary['ms_per_batch'] or 0:.2f} ms/batch)")
     summary["ranks"] = lp.layout.size
+    if lp.guard is not None and (fwd is not None or bwd is not None):
+        summary["guard"] = lp.guard.summary()
+        g = summary["guard"]
+        log(f"gradient guard: {g['steps']} steps, {g['accept']} accepted MGRIT, {g['iterate']} "
+            f"iterated further, {g['fallback']} fallbacks + {g['exact']} exact steps "
+            f"({100 * g['exact_fraction']:.1f} % exact), {g['checks']} checks")
     if args.timings:
         _print_timings(comm, lp, timings, train_s, log)
     if args.json and rank == 0:

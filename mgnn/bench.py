@@ -357,7 +357,7 @@ def bench_gru_sequence(seq_len=1024, batch=4, hidden=4, dtype="float32", seed=0,
     rows = []
     for name, fwd, bwd in (("serial", None, None),
                            ("MGRIT", MGRITOptions(max_iter=2, **o), MGRITOptions(max_iter=1, **o))):
-        lp = LayerParallel(model, fwd=fwd, bwd=bwd)
+        lp = LayerParallel(model, fwd=fwd, bwd=bwd, guard=None)
         t = median_time(lambda: lp.loss_and_grad(x, y), repeats=repeats, warmup=1)
         rows.append({"name": f"tiny GRU training step per time step, {name}, B={batch} "
                              f"H={hidden} L={seq_len} {np.dtype(dtype).name}",
@@ -696,7 +696,8 @@ def bench_gpu_launches(n_layers=1024, width=64, batch=64, cf=4, levels=3, fwd_it
         if method != "serial":
             fwd = MGRITOptions(cf=cf, max_levels=levels, max_iter=fwd_iters, tol=0.0)
             bwd = MGRITOptions(cf=cf, max_levels=levels, max_iter=bwd_iters, tol=0.0)
-            lp = LayerParallel(model, fwd, bwd, backend=bk, capture=method == "mgrit")
+            lp = LayerParallel(model, fwd, bwd, backend=bk, capture=method == "mgrit",
+                               guard=None)
         else:
             lp = LayerParallel(model, backend=bk)
         grads = model.params.zeros_like()
@@ -761,7 +762,7 @@ def bench_gru_coarse(seq_lens=(128, 512, 1024), cfs=(2, 4, 8), hidden=32, in_fea
             for coarse in ("rediscretise", "implicit"):
                 model = gru_classifier(in_features, hidden, 4, L, coarse=coarse, seed=seed + 1)
                 opts = MGRITOptions(cf=cf, max_levels=levels, tol=0.0, max_iter=cycles)
-                lp = LayerParallel(model, fwd=opts, bwd=opts, backend="numba")
+                lp = LayerParallel(model, fwd=opts, bwd=opts, backend="numba", guard=None)
                 t0 = time.perf_counter()
                 lp.loss_and_grad(x, y)
                 rows.append({"seq_len": L, "cf": cf, "coarse": coarse,

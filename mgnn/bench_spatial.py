@@ -80,7 +80,7 @@ def convergence_case(size, n_layers=32, channels=4, batch=8, cf=4, levels=3, spa
     opts = MGRITOptions(cf=cf, max_levels=levels, nrelax=[0, 1], tol=0.0, max_iter=cycles,
                         warn_not_converged=False)
     lp = LayerParallel(model, fwd=opts, bwd=opts, backend=backend, spatial_levels=spatial,
-                       interp=interp, restrict=restrict)
+                       interp=interp, restrict=restrict, guard=None)
     t0 = time.perf_counter()
     lp.loss_and_grad(x, y)
     seconds = time.perf_counter() - t0
@@ -142,7 +142,7 @@ def training_step(size=(31, 31, 31), n_layers=128, channels=4, batch=4, cf=4, le
     bwd = MGRITOptions(cf=cf, max_levels=levels, nrelax=[0, 1], tol=0.0, max_iter=bwd_iters,
                        warn_not_converged=False)
     lp = LayerParallel(model, fwd=fwd, bwd=bwd, comm=comm, backend=backend,
-                       spatial_levels=spatial)
+                       spatial_levels=spatial, guard=None)
     lp.loss_and_grad(x, y)
     times = []
     for _ in range(repeats):
@@ -199,9 +199,10 @@ def mgrit_comparison(size=(28, 28), n_layers=32, channels=4, batch=8, cf=4, leve
     name = (f"{'x'.join(map(str, size))} conv C={channels} N={n_layers} B={batch} cf={cf} "
             f"levels={levels} {fwd_iters}/{bwd_iters} cycles {backend}")
     runs = [("serial", LayerParallel(model, backend=backend), ())]
-    runs += [("mgrit", LayerParallel(model, fwd=fwd, bwd=bwd, backend=backend), ())]
+    runs += [("mgrit", LayerParallel(model, fwd=fwd, bwd=bwd, backend=backend,
+                                     guard=None), ())]
     runs += [("mgrit-spatial", LayerParallel(model, fwd=fwd, bwd=bwd, backend=backend,
-                                             spatial_levels=spatial), spatial)]
+                                             spatial_levels=spatial, guard=None), spatial)]
     rows = []
     for key, lp, levs in runs:
         lp.loss_and_grad(x, y)  # compile

@@ -5,6 +5,7 @@ A model owns its parameters as a :class:`mgnn.params.ParamDict` with the names o
 ``closing.weight``, ``closing.bias``.
 """
 import contextlib
+import math
 import numbers
 import time
 
@@ -15,6 +16,7 @@ from .backend.blas_threads import solve_blas_context
 from .comm import (Layout, abort_on_error, agree_on_errors, apply_threads, configure_threads,
                    wait_request)
 from .comm.halo import tag
+from .guard import escalated_options, make_guard
 from .mgrit import DivergenceError, MGRITOptions, MGRITSolver, hierarchy
 from .mgrit.partition import Partition, balanced_starts, block_work, layer_work
 from .blocks import (Conv3dOpening, ConvOpening, ConvStep, DenseClosing, DenseOpening, DenseStep, PoolClosing,
@@ -782,6 +784,14 @@ class LayerParallel:
         Replay fixed MGRIT cycles from a capture (``MGRITSolver(capture=)``: one Numba call per
         cycle on the CPU, a CUDA graph launch on a GPU; one layer rank, no spatial coarsening;
         results identical). Default True.
+    guard : {'auto', 'off'}, None or GradientGuard
+        The gradient guard (:mod:`mgnn.guard`), active when ``fwd`` or ``bwd`` is given: every
+        step it reads the solves' residual histories, and at the first MGRIT step, every
+        ``check_every`` steps and when the residuals stop contracting or grow, compares the
+        gradient with the exact one of the same batch; above ``tol`` relative error it iterates
+        further or propagates exactly for a while (``stats['guard']`` says what and why; one
+        :class:`mgnn.guard.GuardWarning` at the first fallback). 'auto' (default): a
+        GradientGuard with its defaults. None or 'off': the fixed cycle budget, unwatched.
 
     Composed steps (batch norm, dropout: :class:`mgnn.blocks.composed.ComposedStep`) run the
     single-state propagator protocol, and their coarsest level is always 'sequential' (the
@@ -805,7 +815,7 @@ class LayerParallel:
     def __init__(self, model, fwd=None, bwd=None, comm=None, backend="numba", warm_start=False,
                  data_ranks=1, overlap=True, threads="auto", coarsest="redundant",
                  sync_bn=False, spatial_levels=(), interp="linear", restrict="full",
-                 capture=True):
+                 capture=True, guard="auto"):
         if not isinstance(model, Model):
             raise TypeError(f"model must be an mgnn Model, got {type(model).__name__}")
         for name, opt in (("fwd", fwd), ("bwd", bwd)):
@@ -816,6 +826,7 @@ class LayerParallel:
         if comm is not None and not callable(getattr(comm, "Get_size", None)):
             raise TypeError(f"comm must be an mpi4py communicator or None, got "
                             f"{type(comm).__name__}")
+        self.guard = make_guard(guard)
         self.layout = Layout(comm, data_ranks)
         self.model = model
         self.fwd, self.bwd, self.warm_start = fwd, bwd, warm_start
@@ -869,6 +880,9 @@ class LayerParallel:
         self._solvers = {}
         self._replica_buffers, self._replica_seconds = {}, 0.0
         self._arrays = {}  # per-shape arrays reused by every step (:meth:`_reused`)
+        #: the guard's "iterate further" options (kept alive: solvers are cached by their id)
+        self._escalated = (escalated_options(fwd), escalated_options(bwd))
+        self._guard_grads = None  # the exact gradient of a guard check
 
     @property
     def stats(self):
@@ -1177,7 +1191,10 @@ class LayerParallel:
         else:
             # a divergence is seen in the residual summed over every rank: raised on all alike
             with abort_on_error(lay.comm, "mgnn", collective=(DivergenceError,)):
-                result = self._general_loss_and_grad(x, y, out)
+                if self.guard is not None and (self.fwd is not None or self.bwd is not None):
+                    result = self._guarded_loss_and_grad(x, y, out)
+                else:
+                    result = self._general_loss_and_grad(x, y, out)
         if m.training:
             m.train_steps += 1
             if len(m.buffers) and self.ctx.replicas is None and lay.data_ranks > 1:
@@ -1208,15 +1225,125 @@ class LayerParallel:
         if out.flat is p.flat or (out.flat.base is not None and out.flat.base is p.flat.base):
             raise ValueError("out is model.params itself; pass a separate gradient buffer")
 
-    def _general_loss_and_grad(self, x, y, out=None):
-        """MGRIT (or distributed) loss and gradient; on a backend with a workspace
+    def _general_loss_and_grad(self, x, y, out=None, opts=None):
+        """MGRIT (or distributed) loss and gradient under ``opts`` = (fwd, bwd) (default: this
+        object's); on a backend with a workspace
         (:meth:`mgnn.backend.cupy_raw.RawBackend.workspace`) the step's temporaries are reused
         buffers: nothing is allocated after the first step of a shape."""
         ws = getattr(self.bk, "workspace", None)
+        fwd, bwd = (self.fwd, self.bwd) if opts is None else opts
         with ws() if callable(ws) else contextlib.nullcontext():
-            return self._general_step(x, y, out)
+            return self._general_step(x, y, out, fwd, bwd)
 
-    def _general_step(self, x, y, out):
+    # ------------------------------------------------------------------------------ the guard
+    def _exact_loss_and_grad(self, x, y, out):
+        """The exact loss and gradient (layer after layer; across ranks the sequential
+        hand-off)."""
+        if self.layout.size == 1:
+            return self._serial_loss_and_grad(x, y, out)
+        return self._general_loss_and_grad(x, y, out, (None, None))
+
+    def _relative_error(self, grads, exact):
+        """|grads - exact| / |exact| over every parameter of the model (collective over the
+        layer ranks; the same number on every rank)."""
+        xp, lay = self.xp, self.layout
+        d, e = grads.flat, exact.flat
+        if lay.size > 1:
+            d, e = d[self.owned], e[self.owned]
+        d = (d - e).astype(np.float64)
+        e = e.astype(np.float64)
+        sums = [float(xp.dot(d, d)), float(xp.dot(e, e))]
+        if lay.layer_comm is not None:
+            sums = lay.layer_comm.allreduce(sums)
+        return math.sqrt(sums[0]) / max(math.sqrt(sums[1]), np.finfo(np.float64).tiny)
+
+    def _guarded_loss_and_grad(self, x, y, out):
+        """One training step under the gradient guard (:mod:`mgnn.guard`): MGRIT as configured,
+        checked against the exact gradient when the guard asks; iterate further or fall back.
+        The accepted MGRIT step is bit for bit the unguarded one (a check runs after it, into
+        its own buffers, and the model's running statistics are restored)."""
+        g, lay = self.guard, self.layout
+        t0 = time.perf_counter()
+        if g.exact_now():
+            loss, grads = self._exact_loss_and_grad(x, y, out)
+            g.exact_step()
+            self._guard_report("exact", f"fallback: MGRIT again in {g.exact_left} steps",
+                               [], [], None, 0.0)
+            return loss, grads
+        opts = self._escalated if g.escalated else (self.fwd, self.bwd)
+        buffers = self.model.buffers.flat
+        before = buffers.copy() if len(self.model.buffers) and self.ctx.training else None
+        loss, grads = self._general_loss_and_grad(x, y, out, opts)
+        stats = self.stats
+        rf, ra = _residuals(stats, "forward"), _residuals(stats, "adjoint")
+        reason = g.trigger(rf, ra)
+        if reason is None:
+            estimate = g.estimate(rf, ra)
+            g.accepted(rf, ra)
+            self._guard_report("accept", "contracting", rf, ra, None, 0.0, estimate, stats)
+            return loss, grads
+        t_check = time.perf_counter()
+        after = None
+        if before is not None:  # the running statistics: the exact step's replace MGRIT's
+            after = buffers.copy()
+            buffers[...] = before
+        if self._guard_grads is None:
+            self._guard_grads = self.model.params.zeros_like()
+        ex_loss, exact = self._exact_loss_and_grad(x, y, self._guard_grads)
+        error = self._relative_error(grads, exact)
+        if error <= g.tol:
+            if after is not None:
+                buffers[...] = after
+            g.accepted(rf, ra, error)
+            self._guard_report("accept", f"{reason}; checked: error {error:.3g} <= {g.tol}",
+                               rf, ra, error, time.perf_counter() - t_check, error, stats)
+            return loss, grads
+        if g.escalate and not g.escalated and self._escalated != (self.fwd, self.bwd):
+            keep = buffers.copy() if after is not None else None
+            if keep is not None:
+                buffers[...] = before
+            loss2, grads = self._general_loss_and_grad(x, y, grads, self._escalated)
+            stats2 = self.stats
+            rf2, ra2 = _residuals(stats2, "forward"), _residuals(stats2, "adjoint")
+            error2 = self._relative_error(grads, exact)
+            if error2 <= g.tol:
+                g.iterated(rf2, ra2, error2)
+                self._guard_report(
+                    "iterate", f"{reason}; error {error:.3g} > {g.tol} with the fixed budget, "
+                    f"{error2:.3g} with {self._escalated[0] or self._escalated[1]}",
+                    rf2, ra2, error2, time.perf_counter() - t_check, error2, stats2)
+                return loss2, grads
+            if keep is not None:
+                buffers[...] = keep
+            reason += f"; {error2:.3g} with more cycles"
+        grads.flat[...] = exact.flat
+        n = g.fell_back(error)
+        why = (f"{reason}; gradient error {error:.3g} > tol {g.tol}: exact propagation for this "
+               f"and the next {n} steps")
+        g.warn_once(f"gradient guard: layer-parallel gradient error {error:.3g} > {g.tol} "
+                    f"(forward residuals {_fmt(rf)}, adjoint residuals {_fmt(ra)}); propagating "
+                    f"exactly for {n + 1} steps, then MGRIT again", emit=lay.rank == 0)
+        self._guard_report("fallback", why, rf, ra, error, time.perf_counter() - t_check, error,
+                           stats)
+        return ex_loss, grads
+
+    def _guard_report(self, action, reason, forward, adjoint, error, seconds, estimate=None,
+                      stats=None):
+        """``stats['guard']`` of this step (and ``stats`` itself where given: the MGRIT step's
+        residuals and timings stay the report of the step)."""
+        g = self.guard
+        if stats is not None:
+            self.stats = stats
+        st = self.stats
+        st["guard"] = {"action": action, "reason": reason, "error": error,
+                       "error_estimate": estimate, "tol": g.tol, "escalated": g.escalated,
+                       "forward_residuals": list(forward), "adjoint_residuals": list(adjoint),
+                       "exact_steps_left": g.exact_left, "seconds": seconds,
+                       "counts": dict(g.counts)}
+        if "timings" in st:
+            st["timings"]["guard"] = seconds
+
+    def _general_step(self, x, y, out, fwd, bwd):
         t_start = time.perf_counter()
         m, bk, lay = self.model, self.bk, self.layout
         N = m.n_layers
@@ -1241,9 +1368,9 @@ class LayerParallel:
         steps = m.step_params()
         W, b = steps.get("weight"), steps.get("bias")
         self._replica_seconds = 0.0
-        res, d_open = self._distributed_forward(x, self.fwd or self._serial_opts, guess)
+        res, d_open = self._distributed_forward(x, fwd or self._serial_opts, guess)
         add(res)
-        if self.fwd is not None:
+        if fwd is not None:
             stats["forward"] = {"residuals": list(res.residuals), "iterations": res.iterations,
                                 "converged": res.converged}
             if self.warm_start:
@@ -1259,7 +1386,7 @@ class LayerParallel:
         # the linearisation caches D[n] of the owned layers at the final forward states:
         # composed kinds one per layer; fused kinds sigma' of layer n in row n - lo of derivs
         derivs = None
-        solver = self._solver("adjoint", self.bwd or self._serial_opts)
+        solver = self._solver("adjoint", bwd or self._serial_opts)
         layered = not m.step.fused and solver.prop._layered
         if layered:  # recurrent kinds: every owned step's caches in one call, from the store
             if res.store is not None:
@@ -1310,7 +1437,7 @@ class LayerParallel:
         self._refresh_replica(solver, derivs)
         adj = solver.solve(lam_N)
         add(adj)
-        if self.bwd is not None:
+        if bwd is not None:
             stats["adjoint"] = {"residuals": list(adj.residuals), "iterations": adj.iterations,
                                 "converged": adj.converged}
         lam = _Reversed(adj.states)  # lam[n] = adjoint at forward index n (owned entries)
@@ -1686,6 +1813,16 @@ class _Rows:
     def __getitem__(self, n):
         k = n - self.first
         return self.A[k] if 0 <= k < self.A.shape[0] else None
+
+
+def _residuals(stats, kind):
+    """The residual history of the ``kind`` ('forward' / 'adjoint') solve in ``stats`` ([] if
+    none was measured or the solve was exact)."""
+    return list(stats.get(kind, {}).get("residuals", ()))
+
+
+def _fmt(residuals):
+    return "[" + ", ".join(f"{r:.3g}" for r in residuals) + "]" if residuals else "none measured"
 
 
 def _exact_stats():

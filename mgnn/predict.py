@@ -98,7 +98,7 @@ def _trainer(method, model, comm, cfg, micro=1, backend="numba"):
     fwd, bwd = mgrit_options(cfg)
     return LayerParallel(model, fwd=fwd, bwd=bwd, comm=comm, threads=None, backend=backend,
                          coarsest=cfg["coarsest"],
-                         spatial_levels=tuple(cfg.get("spatial_levels") or ()))
+                         spatial_levels=tuple(cfg.get("spatial_levels") or ()), guard=None)
 
 
 def max_ranks(cfg, method):
@@ -165,7 +165,7 @@ def _timed_steps(comm, method, model, cfg, x, y, M, rec, repeats):
         from .network import LayerParallel
         opts = MGRITOptions(max_levels=1)
         obj = LayerParallel(model, fwd=opts, bwd=opts, comm=comm, threads=None,
-                            backend=cfg["backend"])
+                            backend=cfg["backend"], guard=None)
     else:
         obj = _trainer(method, model, None if method == "serial" else comm, cfg, M,
                        cfg["backend"])

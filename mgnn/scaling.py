@@ -204,11 +204,12 @@ def study_point(comm, cfg, repeats):
     for M in (cfg["micro"] if model.step.fused else ()):  # GPipe: residual networks only
         if M <= cfg["batch"]:
             runs[f"pipeline-{M}"] = PipelineParallel(model, comm=comm, micro_batches=M)
-    runs["mgrit"] = LayerParallel(model, fwd=fwd, bwd=bwd, comm=comm)
-    runs["mgrit-nooverlap"] = LayerParallel(model, fwd=fwd, bwd=bwd, comm=comm, overlap=False)
+    runs["mgrit"] = LayerParallel(model, fwd=fwd, bwd=bwd, comm=comm, guard=None)
+    runs["mgrit-nooverlap"] = LayerParallel(model, fwd=fwd, bwd=bwd, comm=comm, overlap=False,
+                                            guard=None)
     if cfg.get("spatial"):
         runs["mgrit-spatial"] = LayerParallel(model, fwd=fwd, bwd=bwd, comm=comm,
-                                              spatial_levels=cfg["spatial"])
+                                              spatial_levels=cfg["spatial"], guard=None)
     # the serial baseline of this very configuration: one process, the other ranks asleep
     serial_t = _time_step(LayerParallel(model), x, y, None, repeats) if rank == 0 else 0.0
     if comm is not None:
@@ -463,7 +464,7 @@ def residual_histories(cfg, cycles=10):
         for spatial in ((), cfg.get("spatial") or ()):
             if spatial and any(lev >= depth - 1 for lev in spatial):
                 continue  # that level does not exist in this hierarchy
-            lp = LayerParallel(model, fwd=opts, bwd=opts, spatial_levels=spatial)
+            lp = LayerParallel(model, fwd=opts, bwd=opts, spatial_levels=spatial, guard=None)
             lp.loss_and_grad(x, y)
             tag = f", spatial {','.join(map(str, spatial))}" if spatial else ""
             out[f"forward, {levels} levels{tag}"] = lp.stats["forward"]["residuals"]

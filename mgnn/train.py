@@ -372,7 +372,10 @@ def fit(lp, optimizer, x_train, y_train, x_test, y_test, *, epochs, batch_size, 
     Returns
     -------
     list of dict
-        Per epoch: epoch, loss (mean over batches), test_accuracy, seconds, ms_per_batch.
+        Per epoch: epoch, loss (mean over batches), test_accuracy, seconds, ms_per_batch, the
+        last batch's forward_residual / adjoint_residual (MGRIT runs), and with a gradient
+        guard ``guard``: the epoch's decisions (accept, iterate, fallback, exact, checks), the
+        fraction of exact steps, the largest error measured by a check and the last estimate.
     """
     if clip_grad is not None and not (isinstance(clip_grad, (int, float)) and clip_grad > 0
                                       and np.isfinite(clip_grad)):
@@ -398,6 +401,7 @@ def fit(lp, optimizer, x_train, y_train, x_test, y_test, *, epochs, batch_size, 
                              f"{batch_size}, {replicas} replicas")
         bar = Progress(len(idx), f"epoch {epoch + 1}/{epochs}", enabled=progress)
         total = 0.0
+        guard = _GuardTally()
         for j, b in enumerate(idx):
             if replicas > 1:
                 b = np.array_split(b, replicas)[lp.replica]
@@ -408,6 +412,7 @@ def fit(lp, optimizer, x_train, y_train, x_test, y_test, *, epochs, batch_size, 
                 raise DivergenceError(f"{exc} at epoch {epoch + 1}, batch {j + 1} of {len(idx)}") from exc
             if timings is not None:
                 _add_timings(timings, lp.stats)
+            guard.add(lp.stats.get("guard"))
             if not np.isfinite(loss):
                 raise FloatingPointError(f"loss became {loss} at epoch {epoch + 1}, batch {j + 1} of "
                                          f"{len(idx)}")
@@ -420,7 +425,7 @@ def fit(lp, optimizer, x_train, y_train, x_test, y_test, *, epochs, batch_size, 
             optimizer.step(grads.flat)
             total += loss
             step += 1
-            bar.update(j + 1, f"loss {total / (j + 1):.4f}")
+            bar.update(j + 1, f"loss {total / (j + 1):.4f}" + guard.progress())
         train_s = time.perf_counter() - t0
         if lp.distributed:  # every rank holds the current model again (others' layers included)
             lp.model.params.flat[:] = lp.gather_params()
@@ -430,12 +435,46 @@ def fit(lp, optimizer, x_train, y_train, x_test, y_test, *, epochs, batch_size, 
         rec = {"epoch": epoch + 1, "loss": total / len(idx), "test_accuracy": acc,
                "seconds": time.perf_counter() - t0, "ms_per_batch": 1e3 * train_s / len(idx)}
         rec.update(_stats_summary(lp.stats))
+        if guard.steps:
+            rec["guard"] = guard.record()
         history.append(rec)
         if checkpoint:
             distributed_checkpoint(checkpoint, lp, optimizer, epoch + 1, step, rng, meta)
         if log:
             log(format_epoch(rec, epochs))
     return history
+
+
+class _GuardTally:
+    """One epoch's gradient-guard decisions (``lp.stats['guard']`` of every step)."""
+
+    def __init__(self):
+        self.steps = 0
+        self.counts = {"accept": 0, "iterate": 0, "fallback": 0, "exact": 0, "checks": 0}
+        self.max_error, self.estimate = None, None
+
+    def add(self, report):
+        if not report:
+            return
+        self.steps += 1
+        self.counts[report["action"]] += 1
+        err = report["error"]
+        if err is not None:
+            self.counts["checks"] += 1
+            self.max_error = err if self.max_error is None else max(self.max_error, err)
+        self.estimate = report["error_estimate"]
+
+    def exact(self):
+        return self.counts["fallback"] + self.counts["exact"]
+
+    def progress(self):
+        """Text for the progress line: nothing while every step is accepted MGRIT."""
+        n = self.exact() + self.counts["iterate"]
+        return f"  guard {self.exact()} exact / {self.counts['iterate']} iterated" if n else ""
+
+    def record(self):
+        return dict(self.counts, steps=self.steps, exact_fraction=self.exact() / self.steps,
+                    max_error=self.max_error, error_estimate=self.estimate)
 
 
 def _stats_summary(stats):
@@ -459,4 +498,9 @@ def format_epoch(rec, epochs):
         if key in rec:
             val = "n/a" if rec[key] is None else f"{rec[key]:.2e}"
             s += f"  {key.split('_')[0][:3]} res {val}"
+    g = rec.get("guard")
+    if g:
+        err = "n/a" if g["max_error"] is None else f"{g['max_error']:.2g}"
+        s += (f"  guard: {g['exact']} exact, {g['iterate']} iterated, {g['checks']} checks "
+              f"(max err {err})")
     return s

@@ -863,9 +863,10 @@ def bench_train(rep, st, target):
     y = rng.integers(0, 10, B).astype(np.int64)
     fwd = MGRITOptions(cf=cf, max_levels=3, max_iter=2, tol=0.0)
     bwd = MGRITOptions(cf=cf, max_levels=3, max_iter=1, tol=0.0)
-    lps = {"mgrit": mgnn.LayerParallel(model, fwd=fwd, bwd=bwd, backend=st.backend),
+    lps = {"mgrit": mgnn.LayerParallel(model, fwd=fwd, bwd=bwd, backend=st.backend,
+                                        guard=None),
            "mgrit_nographs": mgnn.LayerParallel(model, fwd=fwd, bwd=bwd, backend=st.backend,
-                                                capture=False),
+                                                capture=False, guard=None),
            "serial": mgnn.LayerParallel(model, backend=st.backend)}
     bk = lps["mgrit"].bk
     launcher = getattr(bk, "launcher", None)

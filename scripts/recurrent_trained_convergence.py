@@ -57,7 +57,7 @@ def study(config, params, x, y, settings, cycles, seed=0):
             for k in cycles:
                 lp = LayerParallel(_model(config, p, coarse, seed=seed),
                                    fwd=MGRITOptions(max_iter=k, **o),
-                                   bwd=MGRITOptions(max_iter=k, **o))
+                                   bwd=MGRITOptions(max_iter=k, **o), guard=None)
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     loss, g = lp.loss_and_grad(x, y)

@@ -6,6 +6,7 @@ and raises (so mpiexec exits non-zero) on any mismatch; rank 0 prints one JSON s
 import json
 import os
 import sys
+import warnings
 
 import numpy as np
 from mpi4py import MPI
@@ -530,6 +531,71 @@ def case_recurrent():
             checked += 1
     if RANK == 0:
         print(json.dumps({"case": "recurrent", "ranks": SIZE, "data_ranks": data_ranks,
+                          "checked": checked}))
+
+
+def case_guard():
+    """The gradient guard on layer ranks x data replicas = SIZE: every rank takes the same
+    decisions as one process, and the gradients equal the one process's (accepted MGRIT steps,
+    iterating further, and exact fallbacks on an oscillating GRU)."""
+    import mgnn
+    from tests.guard_models import oscillator_gru, sequences
+    data_ranks = int(sys.argv[2])
+    opts = dict(tol=0.0, warn_not_converged=False)
+    cases = [
+        ("dense accept", lambda: mgnn.dense_resnet(5, 4, 3, 24, activation="relu", seed=1),
+         (5,), MGRITOptions(cf=2, max_levels=3, max_iter=2, skip_downcycle=True, **opts),
+         MGRITOptions(cf=2, max_levels=3, max_iter=1, **opts), dict(check_every=2)),
+        ("dense iterate", lambda: mgnn.dense_resnet(5, 4, 3, 24, activation="relu", seed=1),
+         (5,), MGRITOptions(cf=2, max_levels=2, max_iter=1, **opts),
+         MGRITOptions(cf=2, max_levels=2, max_iter=1, **opts), dict(tol=0.02)),
+        ("oscillator fallback", lambda: oscillator_gru(64), None,
+         MGRITOptions(cf=4, max_levels=2, max_iter=2, **opts),
+         MGRITOptions(cf=4, max_levels=2, max_iter=1, **opts), dict(backoff=1)),
+    ]
+    checked = 0
+    for name, make, shape, fwd, bwd, kw in cases:
+        rng = np.random.default_rng(3)
+        if shape is None:
+            batches = [sequences(8, 64, seed=s) for s in range(4)]
+        else:
+            batches = [(rng.standard_normal((8,) + shape), rng.integers(0, 3, 8))
+                       for _ in range(4)]
+        runs = []
+        for comm in (None, COMM):
+            model = make()
+            lp = mgnn.LayerParallel(model, fwd=fwd, bwd=bwd, comm=comm, backend="numba",
+                                    data_ranks=1 if comm is None else data_ranks,
+                                    guard=mgnn.GradientGuard(**kw))
+            opt = mgnn.SGD(model.params.flat, lr=0.1)
+            losses, grads, actions = [], [], []
+            for x, y in batches:
+                shard = np.array_split(np.arange(len(y)), lp.layout.data_ranks)[lp.replica]
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    loss, g = lp.loss_and_grad(x[shard], y[shard])
+                full = lp.gather(g) if comm is not None else g
+                losses.append(loss)
+                grads.append(full.flat.copy())
+                actions.append(lp.stats["guard"]["action"])
+                opt.step(g.flat)
+                if comm is not None:  # every rank holds the whole model again
+                    model.params.flat[:] = lp.gather_params()
+            runs.append((losses, grads, actions))
+        (l1, g1, a1), (l, g, a) = runs
+        everyone = COMM.allgather(a)
+        if any(other != a1 for other in everyone):
+            raise AssertionError(f"rank {RANK}: {name}: decisions {everyone} vs one process {a1}")
+        want = {"dense accept": {"accept"}, "dense iterate": {"iterate", "accept"},
+                "oscillator fallback": {"fallback", "exact"}}[name]
+        if set(a1) != want:
+            raise AssertionError(f"{name}: decisions {a1}, expected {sorted(want)}")
+        _close(l, l1, 1e-10, f"{name} losses")
+        for k, (u, v) in enumerate(zip(g, g1)):
+            _close(u, v, 1e-9, f"{name} gradient of step {k}")
+        checked += 1
+    if RANK == 0:
+        print(json.dumps({"case": "guard", "ranks": SIZE, "data_ranks": data_ranks,
                           "checked": checked}))
 
 
