@@ -788,8 +788,8 @@ class LayerParallel:
         The gradient guard (:mod:`mgnn.guard`), active when ``fwd`` or ``bwd`` is given: every
         step it reads the solves' residual histories, and at the first MGRIT step, every
         ``check_every`` steps and when the residuals stop contracting or grow, compares the
-        gradient with the exact one of the same batch; above ``tol`` relative error it iterates
-        further or propagates exactly for a while (``stats['guard']`` says what and why; one
+        gradient with the exact one of the same batch; above ``tol`` relative error (1.0) or
+        below ``min_cosine`` (0.5) it iterates further or propagates exactly for a while (``stats['guard']`` says what and why; one
         :class:`mgnn.guard.GuardWarning` at the first fallback). 'auto' (default): a
         GradientGuard with its defaults. None or 'off': the fixed cycle budget, unwatched.
 
@@ -1243,19 +1243,23 @@ class LayerParallel:
             return self._serial_loss_and_grad(x, y, out)
         return self._general_loss_and_grad(x, y, out, (None, None))
 
-    def _relative_error(self, grads, exact):
-        """|grads - exact| / |exact| over every parameter of the model (collective over the
-        layer ranks; the same number on every rank)."""
+    def _compare(self, grads, exact):
+        """(relative error |grads - exact| / |exact|, cosine) over every parameter of the model
+        (one collective over the layer ranks: the same numbers on every rank)."""
         xp, lay = self.xp, self.layout
-        d, e = grads.flat, exact.flat
+        g, e = grads.flat, exact.flat
         if lay.size > 1:
-            d, e = d[self.owned], e[self.owned]
-        d = (d - e).astype(np.float64)
-        e = e.astype(np.float64)
-        sums = [float(xp.dot(d, d)), float(xp.dot(e, e))]
+            g, e = g[self.owned], e[self.owned]
+        g, e = g.astype(np.float64), e.astype(np.float64)
+        d = g - e
+        sums = [float(xp.dot(d, d)), float(xp.dot(g, e)), float(xp.dot(g, g)),
+                float(xp.dot(e, e))]
         if lay.layer_comm is not None:
             sums = lay.layer_comm.allreduce(sums)
-        return math.sqrt(sums[0]) / max(math.sqrt(sums[1]), np.finfo(np.float64).tiny)
+        tiny = np.finfo(np.float64).tiny
+        ne = math.sqrt(sums[3])
+        return (math.sqrt(sums[0]) / max(ne, tiny),
+                sums[1] / max(math.sqrt(sums[2]) * ne, tiny))
 
     def _guarded_loss_and_grad(self, x, y, out):
         """One training step under the gradient guard (:mod:`mgnn.guard`): MGRIT as configured,
@@ -1263,7 +1267,6 @@ class LayerParallel:
         The accepted MGRIT step is bit for bit the unguarded one (a check runs after it, into
         its own buffers, and the model's running statistics are restored)."""
         g, lay = self.guard, self.layout
-        t0 = time.perf_counter()
         if g.exact_now():
             loss, grads = self._exact_loss_and_grad(x, y, out)
             g.exact_step()
@@ -1290,13 +1293,14 @@ class LayerParallel:
         if self._guard_grads is None:
             self._guard_grads = self.model.params.zeros_like()
         ex_loss, exact = self._exact_loss_and_grad(x, y, self._guard_grads)
-        error = self._relative_error(grads, exact)
-        if error <= g.tol:
+        error, cosine = self._compare(grads, exact)
+        ok, verdict = g.judge(error, cosine)
+        if ok:
             if after is not None:
                 buffers[...] = after
             g.accepted(rf, ra, error)
-            self._guard_report("accept", f"{reason}; checked: error {error:.3g} <= {g.tol}",
-                               rf, ra, error, time.perf_counter() - t_check, error, stats)
+            self._guard_report("accept", f"{reason}; checked: {verdict}", rf, ra,
+                               (error, cosine), time.perf_counter() - t_check, error, stats)
             return loss, grads
         if g.escalate and not g.escalated and self._escalated != (self.fwd, self.bwd):
             keep = buffers.copy() if after is not None else None
@@ -1305,37 +1309,39 @@ class LayerParallel:
             loss2, grads = self._general_loss_and_grad(x, y, grads, self._escalated)
             stats2 = self.stats
             rf2, ra2 = _residuals(stats2, "forward"), _residuals(stats2, "adjoint")
-            error2 = self._relative_error(grads, exact)
-            if error2 <= g.tol:
+            error2, cosine2 = self._compare(grads, exact)
+            ok2, verdict2 = g.judge(error2, cosine2)
+            if ok2:
                 g.iterated(rf2, ra2, error2)
                 self._guard_report(
-                    "iterate", f"{reason}; error {error:.3g} > {g.tol} with the fixed budget, "
-                    f"{error2:.3g} with {self._escalated[0] or self._escalated[1]}",
-                    rf2, ra2, error2, time.perf_counter() - t_check, error2, stats2)
+                    "iterate", f"{reason}; {verdict} with the fixed budget; {verdict2} with "
+                    f"twice the cycles, FCF", rf2, ra2, (error2, cosine2),
+                    time.perf_counter() - t_check, error2, stats2)
                 return loss2, grads
             if keep is not None:
                 buffers[...] = keep
-            reason += f"; {error2:.3g} with more cycles"
+            verdict += f" (with twice the cycles, FCF: {verdict2})"
         grads.flat[...] = exact.flat
         n = g.fell_back(error)
-        why = (f"{reason}; gradient error {error:.3g} > tol {g.tol}: exact propagation for this "
-               f"and the next {n} steps")
-        g.warn_once(f"gradient guard: layer-parallel gradient error {error:.3g} > {g.tol} "
-                    f"(forward residuals {_fmt(rf)}, adjoint residuals {_fmt(ra)}); propagating "
-                    f"exactly for {n + 1} steps, then MGRIT again", emit=lay.rank == 0)
-        self._guard_report("fallback", why, rf, ra, error, time.perf_counter() - t_check, error,
-                           stats)
+        g.warn_once(f"gradient guard: the layer-parallel gradient is off ({verdict}; forward "
+                    f"residuals {_fmt(rf)}, adjoint residuals {_fmt(ra)}); propagating exactly "
+                    f"for {n + 1} steps, then MGRIT again", emit=lay.rank == 0)
+        self._guard_report("fallback", f"{reason}; {verdict}: exact propagation for this and the "
+                           f"next {n} steps", rf, ra, (error, cosine),
+                           time.perf_counter() - t_check, error, stats)
         return ex_loss, grads
 
-    def _guard_report(self, action, reason, forward, adjoint, error, seconds, estimate=None,
+    def _guard_report(self, action, reason, forward, adjoint, check, seconds, estimate=None,
                       stats=None):
-        """``stats['guard']`` of this step (and ``stats`` itself where given: the MGRIT step's
-        residuals and timings stay the report of the step)."""
+        """``stats['guard']`` of this step (``check``: (error, cosine) of a check, or None), and
+        ``stats`` itself where given (the MGRIT step's residuals and timings stay the report of
+        the step)."""
         g = self.guard
         if stats is not None:
             self.stats = stats
         st = self.stats
-        st["guard"] = {"action": action, "reason": reason, "error": error,
+        error, cosine = check if check is not None else (None, None)
+        st["guard"] = {"action": action, "reason": reason, "error": error, "cosine": cosine,
                        "error_estimate": estimate, "tol": g.tol, "escalated": g.escalated,
                        "forward_residuals": list(forward), "adjoint_residuals": list(adjoint),
                        "exact_steps_left": g.exact_left, "seconds": seconds,

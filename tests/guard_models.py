@@ -4,12 +4,13 @@ few cycles gives a gradient error of order 1 (issue 35)."""
 import numpy as np
 
 
-def oscillator_gru(seq_len=256, hidden=8, omega=4.0, z_gate=0.9, dtype="float64", seed=0):
+def oscillator_gru(seq_len=256, hidden=8, omega=4.0, z_gate=0.9, coarse="implicit",
+                   dtype="float64", seed=0):
     """A GRU classifier (1 input feature, 4 classes) with r = 1, z = ``z_gate`` and a skew
     candidate weight: near h = 0 the step is h' = z h + (1 - z) omega S h, a rotation by about
     ``atan((1 - z) omega / z)`` per step (0.42 rad) damped by |lambda| ~ 0.985."""
     from mgnn import gru_classifier
-    m = gru_classifier(1, hidden, 4, seq_len, dtype=dtype, seed=seed)
+    m = gru_classifier(1, hidden, 4, seq_len, coarse=coarse, dtype=dtype, seed=seed)
     p = m.params
     whh = p["gru.weight_hh_l0"]
     whh[...] = 0

@@ -70,6 +70,15 @@ def test_fallback_backoff_doubles_and_resets_after_a_pass():
     assert g.summary()["steps"] == 0 and g.error is None and not g.exact_now()
 
 
+def test_judge_needs_a_small_error_and_a_close_direction():
+    g = GradientGuard(tol=1.0, min_cosine=0.5)
+    assert g.judge(0.56, 0.84) == (True, "gradient error 0.56 <= 1.0, cosine 0.84")
+    assert g.judge(1.2, 0.9) == (False, "gradient error 1.2 > tol 1.0")
+    assert g.judge(0.9, 0.3) == (False, "gradient cosine 0.3 < 0.5")
+    assert g.judge(float("nan"), float("nan"))[1] == ("gradient error nan > tol 1.0 and cosine "
+                                                      "nan < 0.5")
+
+
 def test_warning_only_once_and_only_where_emitted():
     g = GradientGuard()
     with pytest.warns(GuardWarning, match="first"):
@@ -99,7 +108,8 @@ def test_escalated_options_and_guard_arguments():
                           (dict(check_every=2.5), TypeError, "check_every must be an int"),
                           (dict(growth=float("inf")), TypeError, "growth must be a number"),
                           (dict(backoff=4, max_backoff=2), ValueError, "max_backoff must be >= 4"),
-                          (dict(escalate=1), TypeError, "escalate must be a bool")):
+                          (dict(escalate=1), TypeError, "escalate must be a bool"),
+                          (dict(min_cosine=1.5), ValueError, "min_cosine must be <= 1")):
         with pytest.raises(exc, match=text):
             GradientGuard(**kw)
 
@@ -162,12 +172,14 @@ def test_oscillating_gru_falls_back_to_the_exact_gradient():
     _, raw = LayerParallel(model, f, b, guard=None, threads=1).loss_and_grad(x, y)
     assert _rel(raw, exact) > 0.5  # what the guard is for
     lp = LayerParallel(model, f, b, guard=GradientGuard(backoff=2), threads=1)
-    with pytest.warns(GuardWarning, match=r"forward residuals \[[0-9.e+-]+, [0-9.e+-]+\]"):
+    with pytest.warns(GuardWarning, match=r"gradient is off \(gradient .*cosine 0\.[0-9]+ < 0\.5.*"
+                                          r"forward residuals \[[0-9.e+-]+, [0-9.e+-]+\]"):
         _, g = lp.loss_and_grad(x, y)
     assert _rel(g, exact) <= 0.05
     rep = lp.stats["guard"]
     assert rep["action"] == "fallback" and rep["error"] > 0.5 and rep["exact_steps_left"] == 2
-    assert "with more cycles" in rep["reason"]  # it tried iterating further first
+    assert "(with twice the cycles, FCF: gradient" in rep["reason"]  # it tried that first
+    assert rep["cosine"] < 0.5
     actions = []
     with warnings.catch_warnings():
         warnings.simplefilter("error", GuardWarning)  # no second warning
@@ -266,6 +278,6 @@ def test_fit_history_and_cli_report_the_guard(capsys):
     g = summary["guard"]
     assert g["steps"] == 2 and g["checks"] >= 1
     assert g["accept"] + g["iterate"] + g["fallback"] + g["exact"] == 2
-    assert "guard GradientGuard(tol=0.5" in log and "gradient guard: 2 steps" in log
+    assert "guard GradientGuard(tol=1.0, min_cosine=0.5" in log and "gradient guard: 2 steps" in log
     assert "  guard: " in log and " checks (max err " in log  # the epoch line
     assert "guard" not in off and "guard off" in log_off and "gradient guard" not in log_off
