@@ -10,7 +10,8 @@ two apart and, per training step, decides one of
     use the MGRIT gradient (everything as without a guard);
 ``'iterate'``
     the fixed budget was not enough but more cycles with FCF relaxation are: use those options
-    from now on (:attr:`GradientGuard.escalated`);
+    from now on (:attr:`GradientGuard.escalated`), until a later check finds the configured
+    ones passing again;
 ``'fallback'``
     propagate exactly for this step (the sequential hand-off across ranks) and for the next
     ``backoff`` steps (``'exact'``), then try MGRIT again (doubling ``backoff`` after every

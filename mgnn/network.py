@@ -883,6 +883,7 @@ class LayerParallel:
         #: the guard's "iterate further" options (kept alive: solvers are cached by their id)
         self._escalated = (escalated_options(fwd), escalated_options(bwd))
         self._guard_grads = None  # the exact gradient of a guard check
+        self._guard_base = None  # the configured options' gradient at a check while escalated
 
     @property
     def stats(self):
@@ -1296,6 +1297,8 @@ class LayerParallel:
         error, cosine = self._compare(grads, exact)
         ok, verdict = g.judge(error, cosine)
         if ok:
+            if g.escalated:  # the fixed budget may do again: back to it if it passes
+                verdict += self._try_base_options(x, y, exact, before)
             if after is not None:
                 buffers[...] = after
             g.accepted(rf, ra, error)
@@ -1330,6 +1333,25 @@ class LayerParallel:
                            f"next {n} steps", rf, ra, (error, cosine),
                            time.perf_counter() - t_check, error, stats)
         return ex_loss, grads
+
+    def _try_base_options(self, x, y, exact, before):
+        """At a passing check under the escalated options: the configured options on the same
+        batch, into scratch buffers; if they pass too the guard returns to them. Returns text
+        for the report."""
+        g = self.guard
+        stats = self.stats
+        if self._guard_base is None:
+            self._guard_base = self.model.params.zeros_like()
+        if before is not None:
+            self.model.buffers.flat[...] = before
+        previous = self._previous_states  # a warm start continues from the step's own states
+        self._general_loss_and_grad(x, y, self._guard_base, (self.fwd, self.bwd))
+        self.stats, self._previous_states = stats, previous
+        ok, verdict = g.judge(*self._compare(self._guard_base, exact))
+        if ok:
+            g.escalated = False
+            return f"; the configured cycles pass again ({verdict}): back to them"
+        return f"; the configured cycles still fail ({verdict})"
 
     def _guard_report(self, action, reason, forward, adjoint, check, seconds, estimate=None,
                       stats=None):

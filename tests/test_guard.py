@@ -215,6 +215,14 @@ def test_iterate_further_adopts_the_escalated_options():
     lp.loss_and_grad(x, y)
     assert lp.stats["guard"]["action"] == "accept"
     assert len(lp.stats["forward"]["residuals"]) == 4
+    # a later check (forced here) where the configured cycles pass again: back to them
+    lp.guard.tol, lp.guard.since_check = 10 * e_raw, lp.guard.check_every
+    _, g = lp.loss_and_grad(x, y)
+    assert "the configured cycles pass again" in lp.stats["guard"]["reason"]
+    assert np.array_equal(g.flat, better.flat)  # this step still the escalated gradient
+    assert not lp.guard.escalated
+    _, g = lp.loss_and_grad(x, y)
+    assert np.array_equal(g.flat, raw.flat) and len(lp.stats["forward"]["residuals"]) == 2
 
 
 def _estimate_cases():
