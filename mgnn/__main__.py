@@ -615,7 +615,8 @@ def cmd_train(args, comm=None):
         g = summary["guard"]
         log(f"gradient guard: {g['steps']} steps, {g['accept']} accepted MGRIT, {g['iterate']} "
             f"iterated further, {g['fallback']} fallbacks + {g['exact']} exact steps "
-            f"({100 * g['exact_fraction']:.1f} % exact), {g['checks']} checks")
+            f"({100 * g['exact_fraction']:.1f} % exact), {g['checks']} checks taking "
+            f"{g['seconds']:.2f} s ({100 * g['seconds'] / max(train_s, 1e-9):.1f} % of training)")
     if args.timings:
         _print_timings(comm, lp, timings, train_s, log)
     if args.json and rank == 0:

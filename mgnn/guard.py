@@ -108,6 +108,7 @@ class GradientGuard:
         self.warned = False
         self.counts = {"steps": 0, "accept": 0, "iterate": 0, "fallback": 0, "exact": 0,
                        "checks": 0}
+        self.seconds = 0.0          # spent in checks (exact solves, escalated tries)
 
     def summary(self):
         """Counts over the run and the fraction of steps propagated exactly (fallbacks and the
@@ -115,6 +116,7 @@ class GradientGuard:
         c = dict(self.counts)
         c["exact_fraction"] = (c["fallback"] + c["exact"]) / c["steps"] if c["steps"] else 0.0
         c["escalated"] = self.escalated
+        c["seconds"] = self.seconds
         c["last_error"] = self.error
         return c
 

@@ -1363,6 +1363,7 @@ class LayerParallel:
             self.stats = stats
         st = self.stats
         error, cosine = check if check is not None else (None, None)
+        g.seconds += seconds
         st["guard"] = {"action": action, "reason": reason, "error": error, "cosine": cosine,
                        "error_estimate": estimate, "tol": g.tol, "escalated": g.escalated,
                        "forward_residuals": list(forward), "adjoint_residuals": list(adjoint),

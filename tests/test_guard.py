@@ -284,7 +284,7 @@ def test_fit_history_and_cli_report_the_guard(capsys):
         runs.append((json.loads(out.strip().splitlines()[-1]), err))
     (summary, log), (off, log_off) = runs
     g = summary["guard"]
-    assert g["steps"] == 2 and g["checks"] >= 1
+    assert g["steps"] == 2 and g["checks"] >= 1 and g["seconds"] > 0
     assert g["accept"] + g["iterate"] + g["fallback"] + g["exact"] == 2
     assert "guard GradientGuard(tol=1.0, min_cosine=0.5" in log and "gradient guard: 2 steps" in log
     assert "  guard: " in log and " checks (max err " in log  # the epoch line
