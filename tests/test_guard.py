@@ -273,10 +273,9 @@ def test_fit_history_and_cli_report_the_guard(capsys):
     import json
 
     from mgnn.__main__ import main
-    args = ["train", "--model", "gru", "--data", "sine", "--seq-len", "64", "--width", "6",
-            "--levels", "2", "--cf", "4", "--limit-train", "64", "--limit-test", "32",
-            "--batch-size", "32", "--epochs", "1", "--no-progress", "--json", "--seed", "0",
-            "--dtype", "float32"]
+    args = ["train", "--data", "synthetic", "--layers", "8", "--width", "8", "--levels", "2",
+            "--cf", "2", "--limit-train", "64", "--limit-test", "32", "--batch-size", "32",
+            "--epochs", "1", "--no-progress", "--json", "--seed", "0", "--dtype", "float64"]
     runs = []
     for extra in ([], ["--guard", "off"]):
         assert main(args + extra) == 0
