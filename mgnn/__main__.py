@@ -4,8 +4,11 @@ import json
 import os
 import sys
 import time
+import warnings
 
 import numpy as np
+
+from .guard import GuardWarning
 
 
 def _train_parser(sub):
@@ -387,7 +390,9 @@ def _compile_on_rank_zero_first(comm, lp, make_serial, x, y, log):
     if comm.Get_rank() == 0:
         t0 = time.perf_counter()
         try:
-            make_serial().loss_and_grad(x, y)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", GuardWarning)
+                make_serial().loss_and_grad(x, y)
         except Exception as exc:  # noqa: BLE001 -- reported by the collective step after this
             log(f"kernel warm-up on rank 0 failed ({type(exc).__name__}: {exc}); every rank "
                 "compiles")
@@ -583,9 +588,11 @@ def cmd_train(args, comm=None):
     kept = model.buffers.flat.copy(), model.train_steps  # the compile steps train nothing
     _compile_on_rank_zero_first(comm, lp, lambda: LayerParallel(
         model, fwd=fwd, bwd=bwd, backend=args.backend, threads=None, coarsest=args.coarsest,
-        spatial_levels=_spatial_levels(args), interp=args.interp, restrict=args.restrict),
-        xtr[:2], ds.y_train[:2], log)
-    lp.loss_and_grad(xtr[:2], ds.y_train[:2])  # compile (or load cached) kernels before timing
+        spatial_levels=_spatial_levels(args), interp=args.interp, restrict=args.restrict,
+        guard=args.guard), xtr[:2], ds.y_train[:2], log)
+    with warnings.catch_warnings():  # the guard's verdict on a 2-sample batch is no news
+        warnings.simplefilter("ignore", GuardWarning)
+        lp.loss_and_grad(xtr[:2], ds.y_train[:2])  # compile (or load cached) kernels first
     model.buffers.flat[...], model.train_steps = kept
     if lp.guard is not None:  # the warm-up step's check trained nothing
         lp.guard.reset()
@@ -647,6 +654,8 @@ def _print_timings(comm, lp, timings, train_s, log):
     for r in rows:
         log(f"{r[0]:>5} {r[1]:>5} {r[2]:>7} {r[3]:9.3f} {r[4]:9.3f} {r[5]:10.3f} {r[6]:10.3f} "
             f"{r[7]:9.3f} {r[8]:9.3f} {r[9]:9.3f} {r[10]!s:>8} {r[11]!s:>9} {r[12]:9.0f}")
+    if "guard" in timings:
+        log(f"gradient guard checks (inside other): {timings['guard']:.3f} s on rank 0")
     log("work/step: modelled layer evaluations per training step of the rank's layer block "
         "(the balanced partition's cost model, docs/design.md)")
     if "bn_sync" in timings:

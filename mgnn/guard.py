@@ -46,9 +46,11 @@ class GuardWarning(UserWarning):
 
 def _number(name, value, lo, integer=False):
     kind = numbers.Integral if integer else numbers.Real
-    if isinstance(value, bool) or not isinstance(value, kind) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, kind):
         raise TypeError(f"GradientGuard.{name} must be {'an int' if integer else 'a number'}, "
                         f"got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"GradientGuard.{name} must be finite, got {value!r}")
     if value < lo:
         raise ValueError(f"GradientGuard.{name} must be >= {lo}, got {value!r}")
     return value
@@ -102,6 +104,7 @@ class GradientGuard:
         self.escalated = False      # the escalated options are in use
         self.backoff = self.backoff0
         self.exact_left = 0         # exact steps before MGRIT is tried again
+        self.retry = False          # the next MGRIT step follows a fallback: check it
         self.since_check = None     # MGRIT steps since the last check (None: never checked)
         self.reference = None       # (forward, adjoint) last residuals at the last check
         self.error = None           # the error measured at the last check
@@ -138,6 +141,8 @@ class GradientGuard:
         residual was measured)."""
         if self.since_check is None:
             return "first MGRIT step"
+        if self.retry:
+            return "MGRIT again after a fallback"
         for name, res in (("forward", forward), ("adjoint", adjoint)):
             if any(not math.isfinite(r) for r in res):
                 return f"{name} residual not finite"
@@ -188,9 +193,16 @@ class GradientGuard:
     def _checked(self, forward, adjoint, error):
         self.counts["checks"] += 1
         self.since_check = 0
+        self.retry = False
         self.error = error
         self.reference = (forward[-1] if forward else None, adjoint[-1] if adjoint else None)
         self.backoff = self.backoff0
+
+    def relaxed(self, forward, adjoint, error):
+        """Record a passing check under the escalated options where the configured ones passed
+        too (``forward``, ``adjoint``, ``error``: theirs): back to the configured options."""
+        self.escalated = False
+        self.accepted(forward, adjoint, error)
 
     def iterated(self, forward, adjoint, error):
         """Record a step whose check failed but whose escalated solve passed."""
@@ -207,6 +219,7 @@ class GradientGuard:
         self.counts["checks"] += 1
         self.error = error
         self.since_check = 0
+        self.retry = True
         self.exact_left = self.backoff
         scheduled = self.backoff
         self.backoff = min(2 * self.backoff, self.max_backoff)
@@ -249,5 +262,5 @@ def make_guard(guard):
         return guard
     if isinstance(guard, str):
         raise ValueError(f"guard must be 'auto', 'off', None or a GradientGuard, got {guard!r}")
-    raise TypeError(f"guard must be 'auto', 'off', None or a GradientGuard, got "
-                    f"{type(guard).__name__}")
+    raise TypeError(f"guard must be 'auto', 'off', None or a GradientGuard, got {guard!r} "
+                    f"({type(guard).__name__})")

@@ -1255,8 +1255,8 @@ class LayerParallel:
         d = g - e
         sums = [float(xp.dot(d, d)), float(xp.dot(g, e)), float(xp.dot(g, g)),
                 float(xp.dot(e, e))]
-        if lay.layer_comm is not None:
-            sums = lay.layer_comm.allreduce(sums)
+        if lay.layer_comm is not None:  # (an array: a list's "sum" would concatenate)
+            sums = lay.layer_comm.allreduce(np.array(sums)).tolist()
         tiny = np.finfo(np.float64).tiny
         ne = math.sqrt(sums[3])
         return (math.sqrt(sums[0]) / max(ne, tiny),
@@ -1277,7 +1277,11 @@ class LayerParallel:
         opts = self._escalated if g.escalated else (self.fwd, self.bwd)
         buffers = self.model.buffers.flat
         before = buffers.copy() if len(self.model.buffers) and self.ctx.training else None
-        loss, grads = self._general_loss_and_grad(x, y, out, opts)
+        guess = self._previous_states  # the warm start this step began from
+        try:
+            loss, grads = self._general_loss_and_grad(x, y, out, opts)
+        except DivergenceError as exc:  # on every rank alike (the residual is a global sum)
+            return self._diverged(x, y, out, before, str(exc))
         stats = self.stats
         rf, ra = _residuals(stats, "forward"), _residuals(stats, "adjoint")
         reason = g.trigger(rf, ra)
@@ -1297,11 +1301,16 @@ class LayerParallel:
         error, cosine = self._compare(grads, exact)
         ok, verdict = g.judge(error, cosine)
         if ok:
+            base = None
             if g.escalated:  # the fixed budget may do again: back to it if it passes
-                verdict += self._try_base_options(x, y, exact, before)
+                text, base = self._try_base_options(x, y, exact, before, guess)
+                verdict += text
             if after is not None:
                 buffers[...] = after
-            g.accepted(rf, ra, error)
+            if base is not None:
+                g.relaxed(*base)
+            else:
+                g.accepted(rf, ra, error)
             self._guard_report("accept", f"{reason}; checked: {verdict}", rf, ra,
                                (error, cosine), time.perf_counter() - t_check, error, stats)
             return loss, grads
@@ -1309,7 +1318,11 @@ class LayerParallel:
             keep = buffers.copy() if after is not None else None
             if keep is not None:
                 buffers[...] = before
-            loss2, grads = self._general_loss_and_grad(x, y, grads, self._escalated)
+            try:
+                loss2, grads = self._general_loss_and_grad(x, y, grads, self._escalated)
+            except DivergenceError as exc:
+                return self._diverged(x, y, grads, before, str(exc), exact=(ex_loss, exact),
+                                      forward=rf, adjoint=ra)
             stats2 = self.stats
             rf2, ra2 = _residuals(stats2, "forward"), _residuals(stats2, "adjoint")
             error2, cosine2 = self._compare(grads, exact)
@@ -1334,24 +1347,51 @@ class LayerParallel:
                            time.perf_counter() - t_check, error, stats)
         return ex_loss, grads
 
-    def _try_base_options(self, x, y, exact, before):
+    def _try_base_options(self, x, y, exact, before, guess):
         """At a passing check under the escalated options: the configured options on the same
-        batch, into scratch buffers; if they pass too the guard returns to them. Returns text
-        for the report."""
+        batch (from the warm start the step began with), into scratch buffers. Returns (text for
+        the report, (forward residuals, adjoint residuals, error) if they pass too, else
+        None)."""
         g = self.guard
         stats = self.stats
         if self._guard_base is None:
             self._guard_base = self.model.params.zeros_like()
         if before is not None:
             self.model.buffers.flat[...] = before
-        previous = self._previous_states  # a warm start continues from the step's own states
-        self._general_loss_and_grad(x, y, self._guard_base, (self.fwd, self.bwd))
-        self.stats, self._previous_states = stats, previous
-        ok, verdict = g.judge(*self._compare(self._guard_base, exact))
+        previous, self._previous_states = self._previous_states, guess
+        try:
+            self._general_loss_and_grad(x, y, self._guard_base, (self.fwd, self.bwd))
+            base_stats = self.stats
+        except DivergenceError as exc:
+            return f"; the configured cycles still diverge ({exc})", None
+        finally:  # the escalated step's states stay the next warm start
+            self.stats, self._previous_states = stats, previous
+        error, cosine = self._compare(self._guard_base, exact)
+        ok, verdict = g.judge(error, cosine)
         if ok:
-            g.escalated = False
-            return f"; the configured cycles pass again ({verdict}): back to them"
-        return f"; the configured cycles still fail ({verdict})"
+            return (f"; the configured cycles pass again ({verdict}): back to them",
+                    (_residuals(base_stats, "forward"), _residuals(base_stats, "adjoint"),
+                     error))
+        return f"; the configured cycles still fail ({verdict})", None
+
+    def _diverged(self, x, y, out, before, why, exact=None, forward=(), adjoint=()):
+        """A guarded MGRIT solve diverged (non-finite residual): the exact gradient for this
+        step (``exact``: (loss, gradient) if already computed) and a fallback."""
+        g = self.guard
+        if before is not None:
+            self.model.buffers.flat[...] = before
+        t0 = time.perf_counter()
+        if exact is None:
+            loss, grads = self._exact_loss_and_grad(x, y, out)
+        else:
+            loss, grads = exact[0], out
+            grads.flat[...] = exact[1].flat
+        n = g.fell_back(float("inf"))
+        g.warn_once(f"gradient guard: {why}; propagating exactly for {n + 1} steps, then MGRIT "
+                    "again", emit=self.layout.rank == 0)
+        self._guard_report("fallback", f"{why}: exact propagation for this and the next {n} "
+                           "steps", forward, adjoint, None, time.perf_counter() - t0)
+        return loss, grads
 
     def _guard_report(self, action, reason, forward, adjoint, check, seconds, estimate=None,
                       stats=None):

@@ -501,6 +501,6 @@ def format_epoch(rec, epochs):
     g = rec.get("guard")
     if g:
         err = "n/a" if g["max_error"] is None else f"{g['max_error']:.2g}"
-        s += (f"  guard: {g['exact']} exact, {g['iterate']} iterated, {g['checks']} checks "
-              f"(max err {err})")
+        s += (f"  guard: {g['exact'] + g['fallback']} exact, {g['iterate']} iterated, "
+              f"{g['checks']} checks (max err {err})")
     return s

@@ -58,10 +58,12 @@ def test_fallback_backoff_doubles_and_resets_after_a_pass():
     for _ in range(2):
         g.exact_step()
     assert not g.exact_now()
+    assert g.trigger([1.0, 0.5], [1.0]) == "MGRIT again after a fallback"  # a retry is checked
     assert g.fell_back(3.0) == 4      # a failed retry doubles the wait
     assert g.fell_back(3.0) == 5      # up to max_backoff
     g.exact_left = 0
     g.accepted([1.0], [], error=0.2)  # a passing check resets it
+    assert g.trigger([1.0], []) is None
     assert g.fell_back(3.0) == 2
     s = g.summary()
     assert s["steps"] == 8 and s["fallback"] == 4 and s["exact"] == 2 and s["accept"] == 2
@@ -101,12 +103,13 @@ def test_escalated_options_and_guard_arguments():
     with pytest.raises(ValueError, match="guard must be 'auto', 'off', None or a GradientGuard, "
                                          "got 'on'"):
         make_guard("on")
-    with pytest.raises(TypeError, match="got int"):
+    with pytest.raises(TypeError, match=r"got 1 \(int\)"):
         LayerParallel(_dense(), *_opts(), guard=1)
     for kw, exc, text in ((dict(tol=0), ValueError, "tol must be > 0"),
                           (dict(check_every=0), ValueError, "check_every must be >= 1, got 0"),
                           (dict(check_every=2.5), TypeError, "check_every must be an int"),
-                          (dict(growth=float("inf")), TypeError, "growth must be a number"),
+                          (dict(growth=float("inf")), ValueError, "growth must be finite"),
+                          (dict(growth="2"), TypeError, "growth must be a number, got '2'"),
                           (dict(backoff=4, max_backoff=2), ValueError, "max_backoff must be >= 4"),
                           (dict(escalate=1), TypeError, "escalate must be a bool"),
                           (dict(min_cosine=1.5), ValueError, "min_cosine must be <= 1")):
@@ -225,6 +228,31 @@ def test_iterate_further_adopts_the_escalated_options():
     assert np.array_equal(g.flat, raw.flat) and len(lp.stats["forward"]["residuals"]) == 2
 
 
+def test_a_diverging_solve_falls_back_instead_of_ending_training(monkeypatch):
+    """A non-finite residual raises DivergenceError in the solver (on every rank alike); under
+    the guard the step takes the exact gradient and falls back; without it the error ends the
+    step as before."""
+    from mgnn.mgrit import DivergenceError, MGRITSolver
+    model = _dense()
+    x, y = _data((6,))
+    _, exact = LayerParallel(model, threads=1).loss_and_grad(x, y)
+    solve = MGRITSolver.solve
+
+    def diverging(self, *a, **kw):
+        if self.options.max_levels > 1:
+            raise DivergenceError("MGRIT diverged: residual nan in cycle 1")
+        return solve(self, *a, **kw)
+    monkeypatch.setattr(MGRITSolver, "solve", diverging)
+    lp = LayerParallel(model, *_opts(), threads=1)
+    with pytest.warns(GuardWarning, match="MGRIT diverged: residual nan in cycle 1"):
+        _, g = lp.loss_and_grad(x, y)
+    assert np.array_equal(g.flat, exact.flat)
+    rep = lp.stats["guard"]
+    assert rep["action"] == "fallback" and rep["reason"].startswith("MGRIT diverged")
+    with pytest.raises(DivergenceError):
+        LayerParallel(model, *_opts(), threads=1, guard=None).loss_and_grad(x, y)
+
+
 def _estimate_cases():
     from mgnn.network import conv_resnet, dense_resnet
     return {
@@ -288,3 +316,25 @@ def test_fit_history_and_cli_report_the_guard(capsys):
     assert "guard GradientGuard(tol=1.0, min_cosine=0.5" in log and "gradient guard: 2 steps" in log
     assert "  guard: " in log and " checks (max err " in log  # the epoch line
     assert "guard" not in off and "guard off" in log_off and "gradient guard" not in log_off
+
+
+def test_guard_study_settings_table_on_a_small_gru():
+    """scripts/guard_study.py's settings rows (the docs' 'what keeps MGRIT converging' table):
+    every setting measured against the exact gradient, warm start included; converged settings
+    are exact."""
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "guard_study.py"
+    spec = importlib.util.spec_from_file_location("guard_study", path)
+    study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(study)
+    x, y = sequences(8, 16, seed=1)
+    rows = study._settings_rows(lambda: mgnn.gru_classifier(1, 4, 4, 16, seed=2), x, y,
+                                study._common_settings(2, 2), label="tiny")
+    assert [r["setting"] for r in rows][:2] == ["configured: F then FCF, 2/1 V",
+                                                "warm start, 2/1"]
+    assert all(np.isfinite(r["error"]) and -1 <= r["cosine"] <= 1 for r in rows)
+    # two levels of 8 intervals, FCF: exact after 4 cycles (ceil(N_c / 2)), so 8/8 is exact
+    assert rows[-1]["setting"] == "FCF, 8/8" and rows[-1]["error"] < 1e-10
+    table = study.settings_markdown(rows)
+    assert table.count("\n| tiny |") == len(rows)

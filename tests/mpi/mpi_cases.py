@@ -568,7 +568,7 @@ def case_guard():
                                     data_ranks=1 if comm is None else data_ranks,
                                     guard=mgnn.GradientGuard(**kw))
             opt = mgnn.SGD(model.params.flat, lr=0.1)
-            losses, grads, actions = [], [], []
+            losses, grads, actions, errors = [], [], [], []
             for x, y in batches:
                 shard = np.array_split(np.arange(len(y)), lp.layout.data_ranks)[lp.replica]
                 with warnings.catch_warnings():
@@ -578,11 +578,17 @@ def case_guard():
                 losses.append(loss)
                 grads.append(full.flat.copy())
                 actions.append(lp.stats["guard"]["action"])
+                errors.append(lp.stats["guard"]["error"])
                 opt.step(g.flat)
                 if comm is not None:  # every rank holds the whole model again
                     model.params.flat[:] = lp.gather_params()
-            runs.append((losses, grads, actions))
-        (l1, g1, a1), (l, g, a) = runs
+            runs.append((losses, grads, actions, errors))
+        (l1, g1, a1, e1), (l, g, a, e) = runs
+        if [v is None for v in e] != [v is None for v in e1]:
+            raise AssertionError(f"rank {RANK}: {name}: checks at {e} vs one process {e1}")
+        # the check's error is over every rank's parameters, as in one process
+        _close([v for v in e if v is not None], [v for v in e1 if v is not None], 1e-8,
+               f"{name} check errors")
         everyone = COMM.allgather(a)
         if any(other != a1 for other in everyone):
             raise AssertionError(f"rank {RANK}: {name}: decisions {everyone} vs one process {a1}")
