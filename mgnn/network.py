@@ -1253,8 +1253,8 @@ class LayerParallel:
             g, e = g[self.owned], e[self.owned]
         g, e = g.astype(np.float64), e.astype(np.float64)
         d = g - e
-        sums = [float(xp.dot(d, d)), float(xp.dot(g, e)), float(xp.dot(g, g)),
-                float(xp.dot(e, e))]
+        sums = [float((d * d).sum()), float((g * e).sum()), float((g * g).sum()),
+                float((e * e).sum())]
         if lay.layer_comm is not None:  # (an array: a list's "sum" would concatenate)
             sums = lay.layer_comm.allreduce(np.array(sums)).tolist()
         tiny = np.finfo(np.float64).tiny

@@ -101,9 +101,11 @@ def test_spatial_coarsening_on_the_device_equals_numba(size, spatial, interp, re
     for k in g0:
         np.testing.assert_allclose(to_host(g[k]), g0[k], rtol=1e-10,
                                    atol=1e-10 * np.abs(g0[k]).max(), err_msg=k)
-    for part in ("forward", "adjoint"):
-        np.testing.assert_allclose(lp.stats[part]["residuals"], host.stats[part]["residuals"],
-                                   rtol=1e-10)
+    for part in ("forward", "adjoint"):  # (a converged solve ends at round-off: absolute)
+        want = host.stats[part]["residuals"]
+        np.testing.assert_allclose(lp.stats[part]["residuals"], want, rtol=1e-10,
+                                   atol=1e-12 * max(want, default=0.0))
+    assert lp.stats["guard"]["action"] == host.stats["guard"]["action"]  # the same decision
 
 
 def test_wide_layer_path_through_cublas_equals_numba(rng):
