@@ -1,6 +1,8 @@
 """An MGRIT divergence under real ``mpiexec``: the residual is summed over every rank, so every
 rank raises the same ``DivergenceError`` (no ``MPI_Abort``) and ``fit`` names the epoch and batch
-on each of them."""
+on each of them. Unguarded (``guard=None``): under the gradient guard a divergence falls back to
+exact propagation (tests/test_guard.py), which here overflows too and ``fit`` reports the
+non-finite loss instead."""
 import json
 import subprocess
 import sys
@@ -17,7 +19,7 @@ comm = MPI.COMM_WORLD
 model = mgnn.dense_resnet(4, 4, 2, 8, activation="relu", dtype="float32", seed=0)
 model.params["steps.weight"][...] = 1e19       # states overflow to inf within a few layers
 opts = MGRITOptions(cf=2, max_levels=2, max_iter=2, tol=0.0)
-lp = mgnn.LayerParallel(model, opts, opts, comm=comm, data_ranks=int(sys.argv[1]))
+lp = mgnn.LayerParallel(model, opts, opts, comm=comm, data_ranks=int(sys.argv[1]), guard=None)
 x = np.ones((8, 4), np.float32)
 y = np.arange(8) % 2
 try:
