@@ -53,9 +53,10 @@ def _train_parser(sub):
     a("--weight-decay", type=float, default=0.0)
     a("--clip-grad", type=float, default=None, metavar="NORM",
       help="clip the gradient's global 2-norm (over all ranks) to NORM (default: no clipping)")
-    a("--data", choices=["digits", "mnist", "synthetic", "sine", "volumes"], default="digits",
+    a("--data", type=_data_arg, default="digits", metavar="{" + ",".join(DATA_SETS) + ",FILE.npz}",
       help="data set (default digits, embedded via scikit-learn; volumes: synthetic 3D shapes "
-           "for --model conv, docs/data_volumes.md)")
+           "for --model conv, docs/data_volumes.md), or your own FILE.npz with arrays x_train "
+           "(n, ...), y_train (n,) int, x_test, y_test (docs/user_guide.md)")
     a("--volume-size", type=int, default=16, metavar="S",
       help="volumes: edge of the S^3 volumes (default 16; 15/31 vertex-, 16/32 cell-centred)")
     a("--data-dir", default=None, help="folder with the MNIST IDX files (or $MGNN_MNIST_DIR)")
@@ -298,8 +299,40 @@ def _nrelax(args):
     return nrelax
 
 
+DATA_SETS = ("digits", "mnist", "synthetic", "sine", "volumes")
+
+
+def _data_arg(value):
+    """--data: a built-in set's name or a path ending in .npz."""
+    if value in DATA_SETS or value.endswith(".npz"):
+        return value
+    raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from "
+                                     f"{', '.join(DATA_SETS)} or a FILE.npz)")
+
+
+def _check_model_input(args, ds):
+    """A user's --data FILE.npz must fit --model: conv needs (C, H, W) or (C, D, H, W) samples,
+    a recurrent model L x features (--seq-len L, default the first sample axis)."""
+    shape = ds.image_shape
+    if args.model == "conv" and len(shape) not in (3, 4):
+        raise ValueError(f"--model conv needs samples of shape (C, H, W) or (C, D, H, W); "
+                         f"{args.data} has samples of shape {shape}")
+    if args.model in ("gru", "rnn") and int(np.prod(shape)) % args.layers:
+        raise ValueError(f"--seq-len {args.layers} does not divide the {int(np.prod(shape))} "
+                         f"values of a sample of {args.data} (shape {shape})")
+
+
 #: --seq-len of a recurrent model when not given: the image rows (row-sequential), or sine's 512
 _DEFAULT_SEQ_LEN = {"mnist": 28, "digits": 8, "synthetic": 8, "sine": 512, "volumes": 16}
+
+
+def _default_seq_len(args):
+    """A recurrent model's sequence length when --seq-len is not given: per data set, or for a
+    FILE.npz the first axis of a sample (samples (L, F): L steps of F features)."""
+    if args.data in _DEFAULT_SEQ_LEN:
+        return _DEFAULT_SEQ_LEN[args.data]
+    from .data import load_npz
+    return load_npz(args.data).image_shape[0]
 
 
 def _check_layer_ranks(args, layer_ranks):
@@ -505,12 +538,13 @@ def cmd_train(args, comm=None):
 
     def prepare():  # every input error before any collective or kernel
         if recurrent:  # MGRIT runs over the time steps
-            args.layers = args.seq_len or _DEFAULT_SEQ_LEN[args.data]
+            args.layers = args.seq_len or _default_seq_len(args)
         _check_layer_ranks(args, layer_ranks)
         fwd_bwd = _mgrit_options(args)
         ds = load_dataset(args.data, args.data_dir, seed=args.seed,
                           limit_train=args.limit_train, limit_test=args.limit_test,
                           seq_len=args.layers, volume_size=args.volume_size)
+        _check_model_input(args, ds)
         if len(ds.y_train) < args.data_ranks:
             raise ValueError(f"{len(ds.y_train)} training samples (--limit-train) are fewer than "
                              f"--data-ranks {args.data_ranks}")

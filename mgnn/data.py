@@ -376,14 +376,70 @@ def _atomic_savez(path, **arrays):
         raise
 
 
+NPZ_ARRAYS = ("x_train", "y_train", "x_test", "y_test")
+
+
+def load_npz(path):
+    """A user's data set from an ``.npz`` file with arrays ``x_train`` (n, ...) and ``x_test``
+    (m, ...) of one sample shape (real numbers, finite; float32 kept, anything else read as
+    float64) and integer labels ``y_train`` (n,), ``y_test`` (m,) in [0, n_classes);
+    n_classes = 1 + the largest label. Not normalised (:func:`load_dataset` does that).
+    Raises ValueError (or :class:`DataFormatError`) naming the file and the offending array."""
+    if not os.path.isfile(path):
+        raise ValueError(f"data file {path!r} does not exist")
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            missing = [k for k in NPZ_ARRAYS if k not in f.files]
+            if missing:
+                raise DataFormatError(f"{path}: missing array(s) {', '.join(missing)} (it has "
+                                      f"{', '.join(f.files) or 'none'}; needs "
+                                      f"{', '.join(NPZ_ARRAYS)})")
+            arrays = {k: f[k] for k in NPZ_ARRAYS}
+    except (OSError, EOFError, ValueError) as exc:
+        if isinstance(exc, DataFormatError):
+            raise
+        raise DataFormatError(f"{path}: not a readable .npz file ({exc})") from None
+    xs = {}
+    for split in ("train", "test"):
+        x, y = arrays[f"x_{split}"], arrays[f"y_{split}"]
+        if x.dtype.kind not in "biuf" or x.ndim < 2:
+            raise DataFormatError(f"{path}: x_{split} must be a real array of shape (n, ...) "
+                                  f"with n samples, got dtype {x.dtype}, shape {x.shape}")
+        if y.ndim != 1 or y.dtype.kind not in "iu":
+            raise DataFormatError(f"{path}: y_{split} must be 1-D integer labels, got dtype "
+                                  f"{y.dtype}, shape {y.shape}")
+        if len(y) != len(x):
+            raise DataFormatError(f"{path}: x_{split} has {len(x)} samples but y_{split} "
+                                  f"{len(y)} labels")
+        if len(y) == 0:
+            raise DataFormatError(f"{path}: x_{split} has no samples")
+        if y.min() < 0:
+            raise DataFormatError(f"{path}: y_{split} has a negative label ({y.min()})")
+        x = x.astype(np.float32 if x.dtype == np.float32 else np.float64, copy=False)
+        if not np.isfinite(x).all():
+            raise DataFormatError(f"{path}: x_{split} has non-finite values")
+        xs[split] = (np.ascontiguousarray(x), y.astype(np.int64))
+    if xs["train"][0].shape[1:] != xs["test"][0].shape[1:]:
+        raise DataFormatError(f"{path}: x_train samples are {xs['train'][0].shape[1:]} but x_test "
+                              f"samples {xs['test'][0].shape[1:]}")
+    n_classes = int(max(xs["train"][1].max(), xs["test"][1].max())) + 1
+    if n_classes < 2:
+        raise DataFormatError(f"{path}: the labels name one class only; a classifier needs 2")
+    name = os.path.splitext(os.path.basename(path))[0]
+    return Dataset(name, *xs["train"], *xs["test"], n_classes)
+
+
 def load_dataset(name, data_dir=None, seed=0, limit_train=None, limit_test=None, seq_len=512,
                  volume_size=16):
-    """'digits', 'mnist', 'synthetic', 'sine' (:func:`load_sine` of length ``seq_len``) or
-    'volumes' (:func:`load_volumes` of edge ``volume_size``, cached), normalised;
+    """'digits', 'mnist', 'synthetic', 'sine' (:func:`load_sine` of length ``seq_len``),
+    'volumes' (:func:`load_volumes` of edge ``volume_size``, cached) or a path ending in ``.npz``
+    (:func:`load_npz`), normalised;
     ``limit_train`` / ``limit_test`` keep the first samples of each split (any data set): None
     (all) or an int >= 1."""
     _check_limits(limit_train, limit_test)
-    if name == "volumes":
+    if isinstance(name, (str, os.PathLike)) and str(name).endswith(".npz"):
+        ds = load_npz(os.fspath(name))
+    elif name == "volumes":
         ds = load_volumes(volume_size, seed=seed)
     elif name == "sine":
         ds = load_sine(seq_len, seed=seed)
@@ -395,7 +451,7 @@ def load_dataset(name, data_dir=None, seed=0, limit_train=None, limit_test=None,
         ds = load_synthetic(seed=seed)
     else:
         raise ValueError(f"unknown data set {name!r}; expected 'digits', 'mnist', 'synthetic', "
-                         "'sine' or 'volumes'")
+                         "'sine', 'volumes' or a FILE.npz")
     if limit_train is not None or limit_test is not None:
         ds = Dataset(ds.name, ds.x_train[:limit_train], ds.y_train[:limit_train],
                      ds.x_test[:limit_test], ds.y_test[:limit_test], ds.n_classes)

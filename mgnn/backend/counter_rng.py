@@ -21,7 +21,9 @@ import numbers
 import operator
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
+
+from .jit import njit
 
 from . import is_device_array
 

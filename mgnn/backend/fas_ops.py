@@ -6,7 +6,7 @@ the data for C-contiguous float32/float64 NumPy arrays (and falls back to the ge
 anything else). Every method returns new arrays unless it says "in place".
 """
 import numpy as np
-from numba import njit
+from .jit import njit
 
 
 class GenericOps:

@@ -14,13 +14,15 @@ import numba
 from numba import prange
 from numba.extending import overload as _overload
 
+from .jit import njit as _cache_safe_njit
+
 
 def njit(*args, **options):
     """``numba.njit`` with NumPy's error model (a float division by zero gives inf/nan instead
     of raising): without the per-element ZeroDivisionError branch the element loops that
     divide (the float32 tanh's rational fit) vectorise -- 5x faster at B w = 8192."""
     options.setdefault("error_model", "numpy")
-    return numba.njit(*args, **options)
+    return _cache_safe_njit(*args, **options)
 
 
 def overload(fn, **options):

@@ -1,0 +1,80 @@
+"""A kernel's first compile survives a shared Numba cache that another process left half-written
+(mgnn/backend/jit.py): the process warns once, moves to a private cache folder and gets the same
+result; a genuine typing error is still raised."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from mgnn.backend import jit
+
+# one dense residual sweep (a kernel calling inlined helpers) and one FAS vector kernel
+PROBE = """
+import json, os, warnings, numpy as np
+warnings.simplefilter("always")
+import mgnn
+from mgnn.backend import get_backend, fas_ops, jit
+bk = get_backend("numba")
+rng = np.random.default_rng(0)
+u = rng.standard_normal((4, 8)); w = rng.standard_normal((8, 8)); b = rng.standard_normal(8)
+with warnings.catch_warnings(record=True) as caught:
+    out = np.empty(3); fas_ops._add(np.ones(3), np.ones(3), out)
+    z = bk.dense_forward(u, w, b, 0.1, "tanh", True)
+print(json.dumps({"z": np.asarray(z).tolist(), "sum": out.tolist(),
+                  "private": jit.private_cache_dir(),
+                  "warnings": [str(c.message) for c in caught
+                               if issubclass(c.category, jit.CacheRaceWarning)]}))
+"""
+
+
+def _run(cache):
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(cache), NUMBA_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_half_written_shared_cache_falls_back_to_a_private_one(tmp_path):
+    cache = tmp_path / "numba"
+    clean = _run(cache)  # cold: compiles and fills the shared cache
+    assert clean["private"] is None and clean["warnings"] == []
+    indexes = [os.path.join(d, f) for d, _, fs in os.walk(cache) for f in fs if f.endswith(".nbi")]
+    assert indexes
+    for p in indexes:  # what a reader sees while another process is writing: cut files
+        with open(p, "rb") as f:
+            data = f.read()
+        with open(p, "wb") as f:
+            f.write(data[: len(data) // 2])
+    raced = _run(cache)
+    assert raced["private"] == str(cache / f"pid-{raced['private'].rsplit('-', 1)[1]}")
+    assert len(raced["warnings"]) == 1 and "another process" in raced["warnings"][0]
+    assert raced["z"] == clean["z"] and raced["sum"] == clean["sum"] == [2.0, 2.0, 2.0]
+    assert any(f.endswith(".nbi") for _, _, fs in os.walk(raced["private"]) for f in fs)
+
+
+def test_genuine_typing_error_is_still_raised(monkeypatch):
+    from numba.core.errors import TypingError
+    monkeypatch.setitem(jit._private, "dir", None)
+    calls = []
+    monkeypatch.setattr(jit, "use_private_cache", lambda reason: calls.append(reason))
+
+    @jit.njit
+    def bad(a):
+        return a.no_such_attribute
+
+    with pytest.raises(TypingError):
+        bad(np.ones(2))
+    assert len(calls) == 1 and "bad" in calls[0]  # retried once, then raised
+
+
+def test_njit_keeps_numba_options():
+    @jit.njit(cache=False, fastmath=False)
+    def twice(a):
+        return 2 * a
+
+    assert isinstance(twice, jit.RetryingDispatcher)
+    assert twice(3.0) == 6.0 and twice.targetoptions["fastmath"] is False
