@@ -27,7 +27,7 @@ run: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
-# Fast asv profile, offline, on the existing environment (full runs: see README).
+# Fast asv profile, offline, on the existing environment (full runs: docs/benchmarks.md).
 bench: $(STAMP)
 	$(VENV)/bin/asv machine --yes --machine local >/dev/null
 	MGNN_ASV_FAST=1 $(MPI_ENV) $(VENV)/bin/asv run -E existing:$(CURDIR)/$(PY) --quick \

@@ -6,7 +6,7 @@ Public API (docs/design.md, "Public API"): models (:func:`dense_resnet`, :func:`
 """
 from . import _numba_cache  # noqa: F401 -- first: sets NUMBA_CACHE_DIR before Numba is imported
 from .blocks import gradcheck
-from .data import load_dataset, load_digits, load_mnist, load_synthetic, read_idx
+from .data import load_dataset, load_digits, load_mnist, load_npz, load_synthetic, read_idx
 from .mgrit import (DivergenceError, MGRITOptions, MGRITResult, MGRITSolver,
                     NotConvergedWarning)
 from .guard import GradientGuard, GuardWarning
@@ -22,6 +22,6 @@ __version__ = "0.1.0"
 __all__ = ["MGRITOptions", "MGRITSolver", "MGRITResult", "dense_resnet", "conv_resnet", "gru_classifier",
            "rnn_classifier", "Model", "LayerParallel", "ParamDict",
            "SGD", "Adam", "gradcheck", "fit", "save_checkpoint", "load_checkpoint", "read_idx",
-           "load_dataset", "load_digits", "load_mnist", "load_synthetic", "MGNNError",
+           "load_dataset", "load_digits", "load_mnist", "load_npz", "load_synthetic", "MGNNError",
            "GradcheckError", "DataFormatError", "CheckpointError", "DivergenceError",
            "NotConvergedWarning", "GradientGuard", "GuardWarning"]
