@@ -22,7 +22,7 @@ import numpy as np
 import mgnn
 from mgnn import MGRITOptions, MGRITSolver
 from mgnn.backend import get_backend, vector_ops
-from mgnn.bench import DENSE_STEP, LAYER_OVERHEAD, dense_step_case, layer_overhead_case
+from mgnn.studies.bench import DENSE_STEP, LAYER_OVERHEAD, dense_step_case, layer_overhead_case
 from mgnn.__main__ import _tune_malloc
 from mgnn.network import AdjointPropagator, ForwardPropagator, LayerParallel
 

@@ -5,6 +5,7 @@ Public API (docs/design.md, "Public API"): models (:func:`dense_resnet`, :func:`
 :func:`gradcheck`.
 """
 from . import _numba_cache  # noqa: F401 -- first: sets NUMBA_CACHE_DIR before Numba is imported
+from . import _moved
 from .blocks import gradcheck
 from .data import load_dataset, load_digits, load_mnist, load_npz, load_synthetic, read_idx
 from .mgrit import (DivergenceError, MGRITOptions, MGRITResult, MGRITSolver,
@@ -25,3 +26,5 @@ __all__ = ["MGRITOptions", "MGRITSolver", "MGRITResult", "dense_resnet", "conv_r
            "load_dataset", "load_digits", "load_mnist", "load_npz", "load_synthetic", "MGNNError",
            "GradcheckError", "DataFormatError", "CheckpointError", "DivergenceError",
            "NotConvergedWarning", "GradientGuard", "GuardWarning"]
+
+_moved.install()  # the old paths mgnn.bench, mgnn.scaling, ... import mgnn.studies.* (mgnn/_moved.py)

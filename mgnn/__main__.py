@@ -119,7 +119,7 @@ def _train_parser(sub):
 
 
 def _bench_parser(sub):
-    from .scaling import FIELDS
+    from .studies.scaling import FIELDS
     epilog = "scaling output fields (CSV/JSON):\n" + "\n".join(
         f"  {k:<20} {v}" for k, v in FIELDS.items())
     p = sub.add_parser("bench", help="benchmarks (ratios against baselines, same run)",
@@ -706,17 +706,17 @@ _ACTIVATION_SUITES = ("scaling", "mgrit")
 
 def cmd_bench(args):
     """Run ``bench``; returns the list of results."""
-    from .bench import bench_mgrit, format_mgrit, format_results, run_kernels
+    from .studies.bench import bench_mgrit, format_mgrit, format_results, run_kernels
     for flag, suites in (("dtype", _DTYPE_SUITES), ("activation", _ACTIVATION_SUITES)):
         v = getattr(args, flag, None)
         if v is not None and args.suite not in suites:
             raise ValueError(f"bench {args.suite} --{flag} {v}: --{flag} is for bench "
                              f"{', '.join(suites)} only")
     if args.suite in ("calibrate", "predict"):
-        from .predict import main
+        from .studies.predict import main
         return main(args)
     if args.suite == "scaling":
-        from .scaling import main as scaling_main
+        from .studies.scaling import main as scaling_main
         args.ranks = args.ranks or "1,2,4"
         args.micro = args.micro or "1,2,4,8"
         args.out = args.out or "results/scaling"
@@ -724,7 +724,7 @@ def cmd_bench(args):
     if args.suite in ("spatial", "spatial-step"):
         return _bench_spatial(args)
     if args.suite == "recurrent":  # prints its table row by row (long at full size)
-        from .bench import bench_gru_coarse
+        from .studies.bench import bench_gru_coarse
         results = bench_gru_coarse(seq_lens=(64, 128) if args.quick else (128, 512, 1024),
                                    log=None if args.json else print)
         text = None
@@ -737,11 +737,11 @@ def cmd_bench(args):
                               for lib, ver, arch, _ in blas_kernels()]
                              + ["warning: " + a for a in [blas_advice()] if a] + [text])
     elif args.suite == "gpu-launches":
-        from .bench import bench_gpu_launches, format_gpu_launches
+        from .studies.bench import bench_gpu_launches, format_gpu_launches
         results = bench_gpu_launches(n_layers=128 if args.quick else 1024)
         text = format_gpu_launches(results)
     else:
-        from .bench_spatial import format_mgrit_comparison, mgrit_comparison
+        from .studies.bench_spatial import format_mgrit_comparison, mgrit_comparison
         # pinned to one thread (work efficiency) and as LayerParallel sets threads by default
         results = [r for threads in (1, "auto") for w in (16, 64)
                    for r in bench_mgrit(n_layers=64 if args.quick else args.n_layers, width=w,
@@ -772,7 +772,7 @@ def cmd_bench(args):
 def _bench_spatial(args):
     """``bench spatial`` (the convergence table) and ``bench spatial-step`` (every rank of
     ``mpiexec -n P`` takes part; rank 0 prints)."""
-    from . import bench_spatial as bs
+    from .studies import bench_spatial as bs
     if args.suite == "spatial":
         rows = bs.convergence_table(quick=args.quick)
         print("\n".join(json.dumps(r) for r in rows) if args.json else bs.format_convergence(rows))

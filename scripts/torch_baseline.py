@@ -35,9 +35,9 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from mgnn.bench import time_samples  # noqa: E402
+from mgnn.studies.bench import time_samples  # noqa: E402
 from mgnn.network import LayerParallel, conv_resnet, gru_classifier  # noqa: E402
-from mgnn.scaling import _problem  # noqa: E402
+from mgnn.studies.scaling import _problem  # noqa: E402
 
 #: Relative loss and gradient agreement that proves the two networks the same (float32: the
 #: sums run in other orders; float64: round-off of a 256-layer chain). Conv: a sum of 9 C terms
@@ -198,7 +198,7 @@ def compare(model, x, y, torch):
 
 def timed(candidates, rounds, min_time):
     """{name: (fastest, median)} seconds per call: ``rounds`` rounds, each one sample (a loop of
-    at least ``min_time`` seconds, :func:`mgnn.bench.time_samples`) of every candidate in turn
+    at least ``min_time`` seconds, :func:`mgnn.studies.bench.time_samples`) of every candidate in turn
     (interleaved, so a slow phase of the machine hits all alike); two warm-up calls each first."""
     times = {k: [] for k in candidates}
     for r in range(rounds):

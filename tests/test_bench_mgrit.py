@@ -2,7 +2,7 @@
 (fastest and median samples) are reported for the forward and the adjoint solve."""
 import numpy as np
 
-from mgnn.bench import bench_mgrit, format_mgrit, time_samples
+from mgnn.studies.bench import bench_mgrit, format_mgrit, time_samples
 
 
 def test_bench_mgrit_counts_the_model_work_and_reports_both_statistics(monkeypatch):
@@ -10,7 +10,7 @@ def test_bench_mgrit_counts_the_model_work_and_reports_both_statistics(monkeypat
     median 6), the exact solve 2, 3, 10, its bare stacked chain 1.8, 2.5, 2.6 and the forward
     sweep 1.5, 5, 9 (serial: the fastest candidate by each statistic: forward fastest 1.5 (the
     sweep), median 2.5 (the chain); adjoint, which has no sweep, 1.8 and 2.5)."""
-    import mgnn.bench as bench
+    import mgnn.studies.bench as bench
     fake = {"mgrit": [4.0, 6.0, 8.0], "uncaptured": [7.0] * 3, "exact": [2.0, 3.0, 10.0],
             "chain": [1.8, 2.5, 2.6], "sweep": [1.5, 5.0, 9.0]}
     order = []
@@ -66,7 +66,7 @@ def test_time_samples_loops_until_each_sample_is_long_enough():
 def test_bench_mgrit_auto_threads_as_layer_parallel_sets_them(monkeypatch):
     """threads='auto': one BLAS thread and Numba's threads on every core (what LayerParallel
     sets by default, unless the environment sets them), reported in each row."""
-    import mgnn.bench as bench
+    import mgnn.studies.bench as bench
     from mgnn.comm import configure_threads
     monkeypatch.setattr(bench, "time_samples", lambda fn, **kw: (fn(), [1.0])[1])
     expected = configure_threads(None, "auto")  # what the bench will choose (then put back)
@@ -81,8 +81,8 @@ def test_bench_mgrit_auto_threads_as_layer_parallel_sets_them(monkeypatch):
 def test_cli_passes_layers_dtype_and_activation_to_the_dense_solves(monkeypatch, capsys):
     """``bench mgrit --layers 32 --dtype float64 --activation tanh`` reaches every dense case
     (w = 16 and 64, threads 1 and auto); without them: N = 256, float32 relu."""
-    import mgnn.bench as bench
-    import mgnn.bench_spatial as bench_spatial
+    import mgnn.studies.bench as bench
+    import mgnn.studies.bench_spatial as bench_spatial
     from mgnn.__main__ import main
     seen = []
     monkeypatch.setattr(bench, "bench_mgrit", lambda **kw: seen.append(kw) or [])

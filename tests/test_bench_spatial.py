@@ -3,7 +3,7 @@ table and the training-step timer (tiny sizes)."""
 import numpy as np
 
 from mgnn import MGRITOptions
-from mgnn.bench_spatial import (convergence_case, format_convergence, format_mgrit_comparison,
+from mgnn.studies.bench_spatial import (convergence_case, format_convergence, format_mgrit_comparison,
                                 level_counts, mgrit_comparison, training_step, work_per_cycle)
 
 

@@ -10,7 +10,7 @@ import pytest
 import mgnn
 import mgnn.network
 from mgnn.backend.cupy_raw import RawBackend
-from mgnn.bench import CountingLauncher, bench_gpu_launches, format_gpu_launches
+from mgnn.studies.bench import CountingLauncher, bench_gpu_launches, format_gpu_launches
 from mgnn.mgrit import MGRITOptions
 
 FWD = MGRITOptions(cf=2, max_levels=3, max_iter=2, tol=0.0)

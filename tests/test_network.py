@@ -127,7 +127,7 @@ def test_gpu_launch_model_interval_batching_cuts_launches():
     per kind, and its steps after the first read no pointer and allocate nothing. With the
     cycles captured as graphs (from the third step on) the MGRIT kernels run inside them: a
     graph launch counts as one."""
-    from mgnn.bench import bench_gpu_launches
+    from mgnn.studies.bench import bench_gpu_launches
     graphs, mgrit, serial = bench_gpu_launches(n_layers=256, width=8, batch=4, repeats=1)
     # 4 per step, the loss, opening and closing: 1 forward + 3 vjp launches each
     assert serial["launches"] == 4 * 256 + 1 + 2 * (1 + 3)

@@ -24,6 +24,7 @@ def test_wheel_ships_kernels(tmp_path):
     (wheel,) = (tmp_path / "dist").glob("mgnn-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "mgnn/kernels/README.md" in names and "mgnn/backend/numba_cpu.py" in names
+    assert "mgnn/studies/bench.py" in names and "mgnn/backend/jit.py" in names
     sources = sorted(f for f in os.listdir(os.path.join(REPO, "kernels"))
                      if f.endswith((".cu", ".cuh")))
     assert sources and all(f"mgnn/kernels/{f}" in names for f in sources), (sources, names)
@@ -56,3 +57,27 @@ def test_cpu_use_never_imports_gpu_modules():
                        cwd=REPO)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == "[]"
+
+
+def test_moved_study_modules_keep_their_old_import_paths():
+    """The studies live in mgnn/studies/; ``import mgnn.bench`` (etc.) still works and gives the
+    same module object, with its own spec, and the core never imports a study."""
+    import importlib
+    import subprocess
+    import sys
+
+    from mgnn._moved import MOVED
+    assert len(MOVED) == 6
+    for old, new in MOVED.items():
+        mod = importlib.import_module(old)
+        assert mod is importlib.import_module(new) and mod.__name__ == new
+        assert mod.__spec__.name == new and mod.__spec__.origin.endswith(
+            os.path.join("studies", new.rsplit(".", 1)[1] + ".py"))
+    from mgnn.pipeline import PipelineParallel
+    from mgnn.studies.pipeline import PipelineParallel as P2
+    assert PipelineParallel is P2
+    code = ("import sys, mgnn, mgnn.network, mgnn.train\n"
+            "print(sorted(m for m in sys.modules if m.startswith('mgnn.studies')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, check=True).stdout
+    assert out.strip() == "[]", out

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import mgnn
-from mgnn.pipeline import PipelineParallel
+from mgnn.studies.pipeline import PipelineParallel
 
 
 @pytest.mark.parametrize("micro_batches", [1, 2, 3, 7])

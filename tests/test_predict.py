@@ -1,4 +1,4 @@
-"""Cost tables, cost-only models and predictions on virtual ranks (mgnn.costs, mgnn.predict,
+"""Cost tables, cost-only models and predictions on virtual ranks (mgnn.studies.costs, mgnn.studies.predict,
 ``bench calibrate`` / ``bench predict``)."""
 import json
 import os
@@ -9,9 +9,9 @@ import pytest
 
 from mgnn import dense_resnet
 from mgnn.comm.virtual import Network, run_virtual
-from mgnn.costs import STEP_METHODS, CostTable, Recorder, cost_model, recording_model
+from mgnn.studies.costs import STEP_METHODS, CostTable, Recorder, cost_model, recording_model
 from mgnn.mgrit.partition import Partition, balanced_starts
-from mgnn.predict import (build_model, calibrate, crossovers, default_config, main,
+from mgnn.studies.predict import (build_model, calibrate, crossovers, default_config, main,
                           predict, predict_point)
 
 GUARD = pytest.mark.timeout(300)
@@ -30,7 +30,7 @@ def _unit_table(cfg, seconds=1e-3):
     rec = Recorder()
     model, x, y = build_model(cfg)
     rm = recording_model(model, rec)
-    from mgnn.predict import _trainer
+    from mgnn.studies.predict import _trainer
     for method in ("serial", "mgrit"):
         _trainer(method, rm, None, cfg).loss_and_grad(x, y)
     keys = {CostTable.key(op, shape, dtype) for op, shape, dtype, _, _ in rec.samples}
@@ -44,7 +44,7 @@ def test_a_serial_prediction_is_its_kernel_calls_times_their_cost():
     # count the calls of one real serial step
     rec = Recorder()
     model, x, y = build_model(cfg)
-    from mgnn.predict import _trainer
+    from mgnn.studies.predict import _trainer
     _trainer("serial", recording_model(model, rec), None, cfg).loss_and_grad(x, y)
     got = predict_point(cfg, table, "serial", 1)
     assert got["time"] == pytest.approx(1e-3 * len(rec.samples), rel=1e-12)
@@ -229,7 +229,7 @@ def test_step_methods_table_names_real_methods():
 
 def test_points_in_a_child_process_return_and_raise_as_in_this_one():
     import operator
-    from mgnn.predict import _in_child
+    from mgnn.studies.predict import _in_child
     assert _in_child(divmod, 7, 2) == (3, 1)
     with pytest.raises(ZeroDivisionError):
         _in_child(operator.truediv, 1, 0)
@@ -293,7 +293,7 @@ def _lonely(comm):
 def test_virtual_run_errors_come_back_from_a_child_intact():
     import pickle
     from mgnn.comm.virtual import VirtualAbort, VirtualDeadlock
-    from mgnn.predict import _in_child
+    from mgnn.studies.predict import _in_child
 
     with pytest.raises(VirtualDeadlock, match="rank 1 waits for a message from rank 0") as info:
         _in_child(run_virtual, 2, _lonely)

@@ -1186,7 +1186,7 @@ def run_virtual(size, fn, *args, network=None, timeout_s=None, trace=False, payl
     payloads : bool
         False: typed buffers (``Isend``/``Irecv``, ``Allreduce``, ``Allgather(v)``, ``Bcast``
         and their nonblocking forms) carry their sizes only, for cost-only runs whose array
-        values mean nothing (:mod:`mgnn.costs`): a received message is zeros, a collective
+        values mean nothing (:mod:`mgnn.studies.costs`): a received message is zeros, a collective
         leaves the receive buffers as they are, nothing is copied or added (a run of 4096
         ranks each holding a whole coarse MGRIT level then fits in memory). Pickled objects are
         always delivered. Sizes, matching, clocks and statistics are the same as with payloads

@@ -258,7 +258,7 @@ def test_bn_reductions_are_deterministic_on_the_gpu(rng):
 
 def test_bn_bench_row_runs_on_a_small_case():
     """The ``bench kernels`` BN row (timings are reported, never asserted)."""
-    from mgnn.bench import bench_bn_conv, format_results
+    from mgnn.studies.bench import bench_bn_conv, format_results
     r = bench_bn_conv(channels=2, batch=2, size=4)
     assert r["time_us"] > 0 and r["baseline_time_us"] > 0 and np.isfinite(r["ratio"])
     assert "conv+BN+tanh" in format_results([r])

@@ -282,7 +282,7 @@ def test_rawkernels_refuse_volumes_beyond_32_bit_indices():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_bench_conv3d_step_and_its_im2col_baseline_compute_the_reference(dtype):
     """Both sides of the ``bench kernels`` conv3d row compute the same step as the reference."""
-    from mgnn.bench import conv3d_step_case
+    from mgnn.studies.bench import conv3d_step_case
     step, baseline = conv3d_step_case(channels=3, batch=2, size=4, dtype=dtype)
     got_step, got_base = step(), baseline()
     rng = np.random.default_rng(0)  # conv3d_step_case's draws, in its order
@@ -299,7 +299,7 @@ def test_bench_conv3d_step_and_its_im2col_baseline_compute_the_reference(dtype):
 
 def test_bench_conv3d_row_reports_a_ratio():
     """The row's fields (timings are reported, never asserted)."""
-    from mgnn.bench import bench_conv3d_kernel
+    from mgnn.studies.bench import bench_conv3d_kernel
     row = bench_conv3d_kernel(channels=2, batch=1, size=4)
     assert row["ratio"] == pytest.approx(row["gflops"] / row["baseline_gflops"])
     assert row["gflops"] > 0 and "im2col" in row["baseline"]

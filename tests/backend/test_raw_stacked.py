@@ -10,7 +10,7 @@ import pytest
 from mgnn.backend import get_backend
 from mgnn.backend.cupy_raw import GPU_GEOMETRY, KERNEL_FILES, RawBackend
 from mgnn.backend.host_emulation import EmulationLauncher
-from mgnn.bench import CountingLauncher
+from mgnn.studies.bench import CountingLauncher
 
 STATE = {"dense": (3, 5), "conv": (2, 3, 5, 6)}
 M = 18  # slots

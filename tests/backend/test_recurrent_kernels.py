@@ -353,8 +353,8 @@ def recurrent_chain(bk, dt, B=9, w=10):
 
 def test_gru_bench_row_runs_on_a_small_case():
     """The ``bench kernels`` GRU row (timings are reported, never asserted)."""
-    from mgnn.bench import bench_gru_step, format_results
-    from mgnn.bench import gru_step_case
+    from mgnn.studies.bench import bench_gru_step, format_results
+    from mgnn.studies.bench import gru_step_case
     step, tiny = bench_gru_step(batch=2, hidden=3, tiny=(2, 2))
     assert step["time_us"] > 0 and step["baseline_time_us"] > 0 and np.isfinite(step["ratio"])
     assert tiny["time_us"] > 0
@@ -366,7 +366,7 @@ def test_gru_bench_row_runs_on_a_small_case():
 def test_gru_sequence_bench_rows_run_on_a_small_case():
     """``bench kernels``' per-time-step rows of a whole training step, serial and MGRIT
     (timings are reported, never asserted)."""
-    from mgnn.bench import bench_gru_sequence, format_results
+    from mgnn.studies.bench import bench_gru_sequence, format_results
     rows = bench_gru_sequence(seq_len=16, repeats=1)
     assert [r["name"].split(", ")[1] for r in rows] == ["serial", "MGRIT"]
     assert all(r["time_us"] > 0 for r in rows)

@@ -8,7 +8,7 @@ import pytest
 
 from mgnn.backend import STACKED_GRAD_KERNELS, get_backend
 from mgnn.backend.cupy_raw import RawBackend
-from mgnn.bench import CountingLauncher
+from mgnn.studies.bench import CountingLauncher
 
 STATE = {"dense": (3, 5), "conv": (2, 3, 4, 5)}
 RTOL = {np.float32: 2e-6, np.float64: 1e-13}

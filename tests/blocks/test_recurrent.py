@@ -128,7 +128,7 @@ def test_bad_input():
 
 
 def test_coarse_study_converges_and_implicit_is_faster_at_cf4():
-    from mgnn.bench import bench_gru_coarse, format_gru_coarse
+    from mgnn.studies.bench import bench_gru_coarse, format_gru_coarse
     rows = bench_gru_coarse(seq_lens=(64,), cfs=(4,), hidden=8, batch=4, cycles=4)
     by = {r["coarse"]: r for r in rows}
     for r in rows:

@@ -388,7 +388,7 @@ def case_robustness():
 def case_pipeline():
     """GPipe baseline on SIZE stages (optionally x data replicas) equals serial backprop."""
     import mgnn
-    from mgnn.pipeline import PipelineParallel
+    from mgnn.studies.pipeline import PipelineParallel
     data_ranks = int(sys.argv[2])
     checked = 0
     for kind, model, x, y in _nets(3):

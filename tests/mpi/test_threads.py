@@ -182,7 +182,7 @@ def test_stats_always_report_the_threads():
     x, y = np.ones((3, 4)), np.array([0, 1, 0])
     lp.loss_and_grad(x, y)
     assert lp.stats["threads"] is lp.threads and "forward" in lp.stats
-    from mgnn.pipeline import PipelineParallel
+    from mgnn.studies.pipeline import PipelineParallel
     pp = PipelineParallel(model, backend="numpy")
     pp.loss_and_grad(x, y)
     assert "timings" in pp.stats and pp.stats["threads"] is pp.threads

@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from .comm.virtual import charge
+from ..comm.virtual import charge
 
 __all__ = ["CostTable", "Recorder", "cost_model", "recording_model", "STEP_METHODS"]
 
@@ -221,7 +221,7 @@ class _Module:
             key = (name, shape)
             if key not in self._memo:  # real outputs once per shape (values never matter), by
                 # the NumPy reference: no Numba threads (a forked child must not start OpenMP)
-                from .backend import get_backend
+                from ..backend import get_backend
                 self._memo[key] = real(*args[:-1], get_backend("numpy"))
             return self._memo[key]
         return method

@@ -15,13 +15,13 @@ import time
 
 import numpy as np
 
-from .backend import get_backend
+from ..backend import get_backend
 from .bench import median_time
-from .mgrit import MGRITOptions, cycle_work, level_sizes, solve_critical_path
-from .blocks.composed import StepContext
-from .comm import polled_barrier
-from .comm.halo import ping_pong
-from .network import (AdjointPropagator, ForwardPropagator, LayerParallel, conv_resnet,
+from ..mgrit import MGRITOptions, cycle_work, level_sizes, solve_critical_path
+from ..blocks.composed import StepContext
+from ..comm import polled_barrier
+from ..comm.halo import ping_pong
+from ..network import (AdjointPropagator, ForwardPropagator, LayerParallel, conv_resnet,
                       dense_resnet, gru_classifier)
 from .pipeline import PipelineParallel
 

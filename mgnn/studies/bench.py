@@ -5,8 +5,8 @@ import time
 
 import numpy as np
 
-from .backend import get_backend
-from .network import LayerParallel, dense_resnet
+from ..backend import get_backend
+from ..network import LayerParallel, dense_resnet
 
 
 def time_samples(fn, repeats=7, warmup=2, min_time=0.05):
@@ -347,8 +347,8 @@ def bench_gru_sequence(seq_len=1024, batch=4, hidden=4, dtype="float32", seed=0,
     gradients: ``loss_and_grad``) of a tiny GRU over ``seq_len`` steps: serially (the
     whole-sequence sweeps, one call each way) and with MGRIT (2 levels, cf 4, 2 forward / 1
     adjoint cycles, one process). The per-step target of issue 13 is <= 10 us."""
-    from .mgrit import MGRITOptions
-    from .network import gru_classifier
+    from ..mgrit import MGRITOptions
+    from ..network import gru_classifier
     rng = np.random.default_rng(seed)
     model = gru_classifier(4, hidden, 4, seq_len, dtype=dtype, seed=seed)
     x = rng.standard_normal((batch, seq_len, 4)).astype(model.dtype)
@@ -475,7 +475,7 @@ def _thread_setting(threads):
     report, and sets Numba's and every BLAS's counts back to what they were on exit."""
     import numba  # noqa: F401 (Numba's count is part of the snapshot)
 
-    from .comm import configure_threads, restore_threads, snapshot_threads
+    from ..comm import configure_threads, restore_threads, snapshot_threads
     saved = snapshot_threads()
     try:
         yield configure_threads(None, threads)
@@ -486,9 +486,9 @@ def _thread_setting(threads):
 def _bench_mgrit(n_layers, width, batch, cf, levels, nrelax, cycles, backend, dtype, activation,
                  skip, seed, repeats, rounds, kind="dense", image=28):
     """:func:`bench_mgrit` under the thread setting it chose."""
-    from .backend import vector_ops
-    from .mgrit import MGRITOptions, MGRITSolver, cycle_work, level_sizes
-    from .network import AdjointPropagator, ForwardPropagator, conv_resnet
+    from ..backend import vector_ops
+    from ..mgrit import MGRITOptions, MGRITSolver, cycle_work, level_sizes
+    from ..network import AdjointPropagator, ForwardPropagator, conv_resnet
     if kind == "conv":
         model = conv_resnet(1, width, (image, image), 10, n_layers, activation=activation,
                             dtype=dtype, seed=seed)
@@ -601,7 +601,7 @@ class CountingLauncher:
 
     def __init__(self):
         import collections
-        from .backend.cupy_raw import GPU_GEOMETRY
+        from ..backend.cupy_raw import GPU_GEOMETRY
         self.geometry = dict(GPU_GEOMETRY)
         self.xp = self  # numpy, except that the ALLOCATORS are counted and zero-filled
         self.launches = collections.Counter()
@@ -683,8 +683,8 @@ def bench_gpu_launches(n_layers=1024, width=64, batch=64, cf=4, levels=3, fwd_it
     (of the third step: the first allocates the step's buffers, the second captures the
     graphs), host_seconds (median), graph_kernels (the kernels the step's graph launches ran).
     """
-    from .backend.cupy_raw import RawBackend
-    from .mgrit import MGRITOptions
+    from ..backend.cupy_raw import RawBackend
+    from ..mgrit import MGRITOptions
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((batch, width)).astype(np.float32)
     y = rng.integers(0, 10, batch)
@@ -752,7 +752,7 @@ def bench_gru_coarse(seq_lens=(128, 512, 1024), cfs=(2, 4, 8), hidden=32, in_fea
     -------
     list of dict: seq_len, cf, coarse, forward, adjoint (lists of floats), seconds.
     """
-    from . import MGRITOptions, gru_classifier
+    from .. import MGRITOptions, gru_classifier
     rng = np.random.default_rng(seed)
     rows = []
     for L in seq_lens:

@@ -3,7 +3,7 @@
 
 The prediction runs mgnn's real training code (``LayerParallel``, ``PipelineParallel``, the
 MGRIT solver, their messages and collectives) on P virtual ranks
-(:func:`mgnn.comm.virtual.run_virtual`) with a cost-only model (:func:`mgnn.costs.cost_model`):
+(:func:`mgnn.comm.virtual.run_virtual`) with a cost-only model (:func:`mgnn.studies.costs.cost_model`):
 every kernel call charges its calibrated time, every message ``alpha + bytes / beta``. Methods:
 
 * ``serial``: one process, layer after layer (``LayerParallel(model)``);
@@ -27,8 +27,8 @@ import time
 
 import numpy as np
 
-from .comm.halo import ping_pong
-from .comm.virtual import Network, run_virtual
+from ..comm.halo import ping_pong
+from ..comm.virtual import Network, run_virtual
 from .costs import CostTable, Recorder, cost_model, machine_meta, recording_model
 
 #: Networks with published figures (docs/virtual_ranks.md cites the sources): alpha s, beta B/s
@@ -59,7 +59,7 @@ def default_config(**kw):
 def build_model(cfg, n_layers=None):
     """(model, x, y) of ``cfg``: dense (inputs of ``in_features``, default the width) or conv
     (1 input channel, ``image_size``^2 images), 10 classes, zero inputs."""
-    from .network import conv_resnet, dense_resnet
+    from ..network import conv_resnet, dense_resnet
     N = cfg["n_layers"] if n_layers is None else n_layers
     B = cfg["batch"]
     if cfg["model"] == "dense":
@@ -77,7 +77,7 @@ def build_model(cfg, n_layers=None):
 
 def mgrit_options(cfg):
     """(fwd, bwd) MGRITOptions of ``cfg`` (as ``bench scaling``: F then FCF, skip, tol 0)."""
-    from .mgrit import MGRITOptions
+    from ..mgrit import MGRITOptions
     common = dict(cf=cfg["cf"], max_levels=cfg["levels"], nrelax=[0, 1], tol=0.0,
                   skip_downcycle=True, warn_not_converged=False)
     return (MGRITOptions(max_iter=cfg["fwd_iters"], **common),
@@ -87,7 +87,7 @@ def mgrit_options(cfg):
 def _trainer(method, model, comm, cfg, micro=1, backend="numba"):
     """The training object of ``method`` (the cost-only predictions run the host path,
     ``backend`` 'numba'; calibration and validation the configured backend)."""
-    from .network import LayerParallel
+    from ..network import LayerParallel
     from .pipeline import PipelineParallel
     if method == "serial":
         return LayerParallel(model, threads=None, backend=backend)
@@ -161,8 +161,8 @@ def _timed_steps(comm, method, model, cfg, x, y, M, rec, repeats):
     """(wall seconds, kernel seconds, kernel calls) of ``repeats`` recorded training steps of
     ``method`` after two unrecorded ones."""
     if method == "layerwise":  # one rank through the solver: the chain path of P > 1
-        from .mgrit import MGRITOptions
-        from .network import LayerParallel
+        from ..mgrit import MGRITOptions
+        from ..network import LayerParallel
         opts = MGRITOptions(max_levels=1)
         obj = LayerParallel(model, fwd=opts, bwd=opts, comm=comm, threads=None,
                             backend=cfg["backend"], guard=None)
@@ -187,14 +187,14 @@ def _timed_steps(comm, method, model, cfg, x, y, M, rec, repeats):
 def _device_sync(backend):
     """A callable that waits for the device of ``backend`` (None for host backends): timed
     kernel calls then measure the kernels, not their launches."""
-    from .backend import get_backend
+    from ..backend import get_backend
     return getattr(getattr(get_backend(backend), "launcher", None), "synchronize", None)
 
 
 def resolve_backend(name):
     """'auto': 'cuda' where a GPU is present, else 'numba'; other names as they are."""
     if name == "auto":
-        from .backend import gpu_available
+        from ..backend import gpu_available
         return "cuda" if gpu_available() else "numba"
     return name
 
@@ -259,7 +259,7 @@ def measure_network(log=print, timeout=120):
     if exe is None:
         n = NETWORKS["shared"]
         return n["alpha"], n["beta"], "preset 'shared' (no mpiexec found)"
-    cmd = [exe, "-n", "2", sys.executable, "-m", "mgnn.predict", "pingpong"]
+    cmd = [exe, "-n", "2", sys.executable, "-m", "mgnn.studies.predict", "pingpong"]
     env = dict(os.environ, NUMBA_NUM_THREADS="1")
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
@@ -587,7 +587,7 @@ def _costs_path(args, cfg):
 
 
 def _calibrate_cmd(args, cfg, log):
-    from .comm.threads import configure_threads
+    from ..comm.threads import configure_threads
     path = _costs_path(args, cfg)
     configure_threads(None, args.threads)
     log(f"calibrating {cfg['model']} ({_describe(cfg)}) on backend {cfg['backend']} with "
@@ -647,8 +647,8 @@ def coarsest_seconds(cfg, table):
     """Modelled seconds of the coarsest MGRIT level per training step (the redundant solve
     every rank repeats, or the sequential chain): its steps times the per-step cost, at the
     coarsest level's state shape (coarsened in space below each of ``spatial_levels``)."""
-    from .backend import grid_transfer
-    from .mgrit import level_sizes
+    from ..backend import grid_transfer
+    from ..mgrit import level_sizes
     sizes = level_sizes(cfg["n_layers"], cfg["cf"], cfg["levels"], 2)
     n_c, lev = sizes[-1], len(sizes) - 1
     model, x, _ = build_model(cfg, n_layers=max(cfg["cf"], 1))
@@ -848,7 +848,7 @@ def _measure_main(cfg_json, repeats):
 
 def validate(cfg, table, ranks=(1, 2, 4), repeats=5, log=print, timeout=900):
     """Predicted vs measured seconds per step at each P of ``ranks``: ``mpiexec -n P python -m
-    mgnn.predict measure`` (NUMBA_NUM_THREADS=1, as the calibration's one thread per rank), and
+    mgnn.studies.predict measure`` (NUMBA_NUM_THREADS=1, as the calibration's one thread per rank), and
     the prediction with ``cores`` = this machine's CPUs (P > cores: oversubscribed). Rows of
     (method, micro_batches, ranks, measured_s, predicted_s, error = predicted / measured - 1)."""
     import shutil
@@ -863,10 +863,10 @@ def validate(cfg, table, ranks=(1, 2, 4), repeats=5, log=print, timeout=900):
     model = build_model(cfg)
     rows = []
     for P in ranks:
-        cmd = [exe, "-n", str(P), sys.executable, "-m", "mgnn.predict", "measure", doc,
+        cmd = [exe, "-n", str(P), sys.executable, "-m", "mgnn.studies.predict", "measure", doc,
                str(repeats)]
         if log:
-            log(f"  measuring P={P}: mpiexec -n {P} python -m mgnn.predict measure ..."
+            log(f"  measuring P={P}: mpiexec -n {P} python -m mgnn.studies.predict measure ..."
                 + (f" ({P} ranks on {cores} cores: oversubscribed)" if P > cores else ""))
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
@@ -922,5 +922,5 @@ if __name__ == "__main__":  # helpers run under mpiexec by calibrate and --valid
     elif len(sys.argv) == 4 and sys.argv[1] == "measure":
         _measure_main(sys.argv[2], sys.argv[3])
     else:
-        raise SystemExit("usage: mpiexec -n 2 python -m mgnn.predict pingpong | "
-                         "mpiexec -n P python -m mgnn.predict measure CONFIG_JSON REPEATS")
+        raise SystemExit("usage: mpiexec -n 2 python -m mgnn.studies.predict pingpong | "
+                         "mpiexec -n P python -m mgnn.studies.predict measure CONFIG_JSON REPEATS")

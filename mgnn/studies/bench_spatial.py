@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from .mgrit import MGRITOptions, level_sizes
+from ..mgrit import MGRITOptions, level_sizes
 
 
 class _Counter:
@@ -33,7 +33,7 @@ class _Counter:
 def level_counts(n_layers, opts):
     """{level: steps} of one solve of ``n_layers`` under ``opts`` (one rank)."""
     c = _Counter()
-    from .mgrit import MGRITSolver
+    from ..mgrit import MGRITSolver
     MGRITSolver(c, n_layers, opts).solve(np.ones(1))
     return c.counts
 
@@ -51,13 +51,13 @@ def work_per_cycle(counts, spatial, ndim, n_layers, cycles):
 def _data(size, batch, seed, volumes):
     """A batch of real images (MNIST when ``MGNN_MNIST_DIR`` is set, else digits upsampled) or of
     the synthetic volumes."""
-    from .data import load_volumes
+    from ..data import load_volumes
     if volumes:
         ds = load_volumes(size[0], n_train=max(batch, 64), n_test=6, seed=seed)
         x, y = ds.x_train[:batch].astype(np.float64), ds.y_train[:batch]
     else:
         import os
-        from .data import load_digits, load_mnist
+        from ..data import load_digits, load_mnist
         if os.environ.get("MGNN_MNIST_DIR"):
             ds = load_mnist(limit_train=batch, limit_test=1)
             x = ds.x_train
@@ -73,7 +73,7 @@ def convergence_case(size, n_layers=32, channels=4, batch=8, cf=4, levels=3, spa
     """Residual histories (forward and adjoint, ``cycles`` fixed cycles, FCF on coarse levels)
     and the work per cycle of one conv ResNet setting; returns a dict."""
     import mgnn
-    from .network import LayerParallel
+    from ..network import LayerParallel
     volumes = len(size) == 3
     model = mgnn.conv_resnet(1, channels, size, 6 if volumes else 10, n_layers, seed=seed)
     x, y = _data(size, batch, seed, volumes)
@@ -131,7 +131,7 @@ def training_step(size=(31, 31, 31), n_layers=128, channels=4, batch=4, cf=4, le
     """Time per training step (median of ``repeats`` after one untimed step) of the peer's
     setting: F-relaxation on the fine level, FCF on coarse ones; returns a dict (every rank)."""
     import mgnn
-    from .network import LayerParallel
+    from ..network import LayerParallel
     volumes = len(size) == 3
     model = mgnn.conv_resnet(1, channels, size, 6 if volumes else 10, n_layers,
                              dtype="float32", seed=seed)
@@ -187,7 +187,7 @@ def mgrit_comparison(size=(28, 28), n_layers=32, channels=4, batch=8, cf=4, leve
     """
     import mgnn
     from .bench import median_time
-    from .network import LayerParallel
+    from ..network import LayerParallel
     volumes = len(size) == 3
     model = mgnn.conv_resnet(1, channels, size, 6 if volumes else 10, n_layers,
                              dtype="float32", seed=seed)

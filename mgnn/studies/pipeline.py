@@ -9,9 +9,9 @@ import time
 
 import numpy as np
 
-from .comm import abort_on_error
-from .comm.halo import tag, wait_request
-from .network import LayerParallel
+from ..comm import abort_on_error
+from ..comm.halo import tag, wait_request
+from ..network import LayerParallel
 
 
 class PipelineParallel(LayerParallel):
