@@ -12,8 +12,8 @@ from .mgrit import (DivergenceError, MGRITOptions, MGRITResult, MGRITSolver,
                     NotConvergedWarning)
 from .guard import GradientGuard, GuardWarning
 from .errors import CheckpointError, DataFormatError, GradcheckError, MGNNError
-from .network import (LayerParallel, Model, conv_resnet, dense_resnet, gru_classifier,
-                      rnn_classifier)
+from .models import Model, conv_resnet, dense_resnet, gru_classifier, rnn_classifier
+from .network import LayerParallel
 from .optim import SGD, Adam
 from .params import ParamDict
 from .train import fit, load_checkpoint, save_checkpoint

@@ -1,8 +1,8 @@
-"""Models (opening + residual steps + closing) and :class:`LayerParallel`, their training front.
+"""The training front: :class:`LayerParallel` runs a model's training step (forward solve, loss,
+adjoint solve, gradients, reductions) serially, by MGRIT, over layer ranks x data replicas.
 
-A model owns its parameters as a :class:`mgnn.params.ParamDict` with the names of docs/design.md,
-"Public API": ``opening.weight``, ``opening.bias``, ``steps.weight`` (N, ...), ``steps.bias`` (N, ...),
-``closing.weight``, ``closing.bias``.
+The models live in :mod:`mgnn.models`, the propagators in :mod:`mgnn.propagators`; their names
+are re-exported here, so ``from mgnn.network import dense_resnet, ForwardPropagator`` still works.
 """
 import contextlib
 import math
@@ -11,705 +11,20 @@ import time
 
 import numpy as np
 
-from .backend import check_dtype, get_backend, grid_transfer, is_device_array, to_host, vector_ops
-from .backend.blas_threads import solve_blas_context
+from .backend import get_backend, grid_transfer, is_device_array, to_host, vector_ops
 from .comm import (Layout, abort_on_error, agree_on_errors, apply_threads, configure_threads,
                    wait_request)
 from .comm.halo import tag
 from .guard import escalated_options, make_guard
 from .mgrit import DivergenceError, MGRITOptions, MGRITSolver, hierarchy
 from .mgrit.partition import Partition, balanced_starts, block_work, layer_work
-from .blocks import (Conv3dOpening, ConvOpening, ConvStep, DenseClosing, DenseOpening, DenseStep, PoolClosing,
-                     SoftmaxCrossEntropy)
-from .blocks.recurrent import LastHiddenClosing, RecurrentStep, ZeroOpening
-from .blocks.composed import (Activation, Affine, BatchNormAct, ComposedStep, Dropout,
-                              StepContext)
+from .blocks.composed import ComposedStep, StepContext
 from .params import ParamDict
+from .models import (Model, conv_resnet, dense_resnet, gru_classifier,  # noqa: F401 (re-exported)
+                     rnn_classifier)
+from .propagators import (AdjointPropagator, CoarseReplica, ForwardPropagator,  # noqa: F401
+                          SpatialAdjointPropagator, SpatialForwardPropagator, _has_stacked_grads)
 
-
-def _positive_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value!r}")
-    return int(value)
-
-
-class Model:
-    """A residual network u_0 = opening(x), u_{n+1} = u_n + h F(u_n; theta_n), logits = closing(u_N).
-
-    Build one with :func:`dense_resnet` or :func:`conv_resnet`.
-
-    Attributes
-    ----------
-    opening, step, closing : layer kinds of :mod:`mgnn.blocks`
-    loss : SoftmaxCrossEntropy
-    n_layers : int
-        N, the number of residual steps.
-    t_final : float
-        T; the step size is h = T / N.
-    dtype : numpy.dtype
-        float32 or float64, of every parameter and state.
-    params : ParamDict
-        The parameters (views into ``params.flat``).
-    config : dict
-        The constructor arguments (what a checkpoint records to check compatibility).
-    """
-
-    def __init__(self, opening, step, closing, n_layers, t_final, dtype, seed, config,
-                 dropout_seed=None):
-        self.opening, self.step, self.closing = opening, step, closing
-        self.loss = SoftmaxCrossEntropy()
-        self.n_layers = n_layers
-        self.t_final = float(t_final)
-        self.dtype = dtype
-        self.config = dict(config)
-        shapes = {}
-        #: name prefix of the step parameters: 'steps' (one row per layer, leading axis N), or
-        #: the kind's own (e.g. 'gru') for weights shared by every step (no leading axis)
-        self.step_prefix = step.prefix if step.shared else "steps"
-        lead = () if step.shared else (n_layers,)
-        for prefix, kind, lead in (("opening", opening, ()), (self.step_prefix, step, lead),
-                                   ("closing", closing, ())):
-            for pname, shape in kind.param_shapes().items():
-                shapes[f"{prefix}.{pname}"] = lead + tuple(shape)
-        self.params = ParamDict.allocate(shapes, dtype)
-        self.buffers = ParamDict.allocate(
-            {f"steps.{k}": (n_layers,) + tuple(s) for k, s in step.buffer_shapes().items()},
-            dtype)
-        if "steps.running_var" in self.buffers:
-            self.buffers["steps.running_var"][...] = 1  # PyTorch's initial running statistics
-        self.training = True
-        #: training steps taken (LayerParallel.loss_and_grad in train mode): the step counter t
-        #: of the dropout masks; saved in checkpoints
-        self.train_steps = 0
-        self.dropout_seed = int(seed if dropout_seed is None else dropout_seed) % 2 ** 64
-        self._initialise(seed)
-
-    def train(self, mode=True):
-        """Train mode (batch statistics, dropout) or, with ``mode=False``, eval mode; returns
-        the model (PyTorch's convention)."""
-        if not isinstance(mode, bool):
-            raise TypeError(f"mode must be a bool, got {mode!r}")
-        self.training = mode
-        return self
-
-    def eval(self):
-        """Eval mode: running statistics, no dropout (:meth:`train` with False)."""
-        return self.train(False)
-
-    @property
-    def h(self):
-        """Fine step size T / N as a scalar of the model's dtype."""
-        return self.dtype.type(self.t_final / self.n_layers)
-
-    @property
-    def n_classes(self):
-        """Number of classes K of the closing layer."""
-        return self.closing.n_classes
-
-    def input_shape(self):
-        """Shape of one input sample, e.g. (64,) or (1, 28, 28)."""
-        return self.opening.input_shape()
-
-    def group(self, prefix):
-        """{'weight': ..., 'bias': ...} views of 'opening', 'steps' or 'closing'."""
-        return self.params.group(prefix)
-
-    def step_params(self):
-        """The step kind's parameters by name (views; 'steps.*' or the shared prefix)."""
-        return self.group(self.step_prefix)
-
-    def group_buffers(self):
-        """{'running_mean': ..., 'running_var': ...} views of the steps' buffers (empty
-        without batch norm)."""
-        return self.buffers.group()
-
-    def _initialise(self, seed):
-        """Uniform(-1/sqrt(fan_in), 1/sqrt(fan_in)) for every weight and bias (PyTorch's default
-        for Linear/Conv2d), drawn in float64 from ``seed`` alone in name order, then rounded."""
-        rng = np.random.default_rng(seed)
-        for name, arr in self.params.items():
-            if name.split(".")[1] in ("bn_weight", "bn_bias"):  # PyTorch: gamma 1, beta 0; no
-                arr[...] = 1.0 if name.endswith("weight") else 0.0  # draw (other seeds kept)
-                continue
-            prefix = name.split(".")[0]
-            if prefix == self.step_prefix and callable(getattr(self.step, "init_bound", None)):
-                b = self.step.init_bound(name.split(".", 1)[1])
-                arr[...] = rng.uniform(-b, b, size=arr.shape)
-                continue
-            wshape = self.params[prefix + ".weight"].shape
-            fan_in = int(np.prod(wshape[2:] if prefix == "steps" else wshape[1:]))
-            bound = 1.0 / np.sqrt(fan_in)
-            arr[...] = rng.uniform(-bound, bound, size=arr.shape)
-
-
-def _common(n_classes, n_layers, t_final, activation, dtype):
-    n_classes = _positive_int("n_classes", n_classes)
-    if n_classes < 2:
-        raise ValueError(f"n_classes must be >= 2 (a classifier), got {n_classes}")
-    n_layers = _positive_int("n_layers", n_layers)
-    if not isinstance(t_final, numbers.Real) or not np.isfinite(t_final) or t_final <= 0:
-        raise ValueError(f"t_final must be a positive finite number, got {t_final!r}")
-    if activation not in ("tanh", "relu"):
-        raise ValueError(f"activation must be 'tanh' or 'relu', got {activation!r}")
-    return n_classes, n_layers, float(t_final), check_dtype(dtype)
-
-
-def _residual_kind(fused, conv, channels, sample_shape, activation, batch_norm, dropout,
-                   bn_eps, bn_momentum, config):
-    """The step kind: the fused one, or F = dropout(sigma(BN(affine(u)))) composed of blocks
-    when batch norm or dropout is asked for (recorded in ``config``)."""
-    if not isinstance(batch_norm, bool):
-        raise TypeError(f"batch_norm must be a bool, got {batch_norm!r}")
-    if isinstance(dropout, bool) or not isinstance(dropout, numbers.Real):
-        raise TypeError(f"dropout must be a number in [0, 1), got {dropout!r}")
-    dropout = float(dropout)
-    if not 0.0 <= dropout < 1.0:
-        raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
-    if not batch_norm and dropout == 0.0:
-        return fused
-    blocks, shapes, buffers = [Affine(conv)], dict(fused.param_shapes()), {}
-    if batch_norm:  # BN + activation in the fused kernels (the composed pair is the reference)
-        blocks.append(BatchNormAct(channels, activation, bn_eps, bn_momentum))
-        shapes.update(bn_weight=(channels,), bn_bias=(channels,))
-        buffers.update(running_mean=(channels,), running_var=(channels,))
-        config.update(batch_norm=True, bn_eps=float(bn_eps), bn_momentum=float(bn_momentum))
-    else:
-        blocks.append(Activation(activation))
-    if dropout:
-        blocks.append(Dropout(dropout))
-        config.update(dropout=dropout)
-    return ComposedStep(blocks, sample_shape, shapes, buffers)
-
-
-def dense_resnet(in_features, width, n_classes, n_layers, t_final=1.0, activation="tanh",
-                 dtype="float64", seed=0, batch_norm=False, dropout=0.0, bn_eps=1e-5,
-                 bn_momentum=0.1):
-    """Dense ResNet: sigma(x A^T + a), N steps F(u) = sigma(u W^T + b), affine closing.
-
-    Parameters
-    ----------
-    in_features, width, n_classes, n_layers : int
-        Input size i, state width w, classes K, residual steps N.
-    t_final : float
-        T (h = T / N).
-    activation : {'tanh', 'relu'}
-    dtype : {'float32', 'float64'}
-    seed : int
-        The initial parameters depend on this seed only; it also seeds the dropout masks.
-    batch_norm : bool
-        F(u) = sigma(BN(u W^T + b)) with PyTorch's BatchNorm1d per layer (parameters
-        ``steps.bn_weight``, ``steps.bn_bias`` (N, w); running statistics in
-        ``model.buffers``: ``steps.running_mean``, ``steps.running_var`` (N, w)).
-    dropout : float
-        p in [0, 1): F(u) = dropout(sigma(...)), inverted dropout with counter-based masks (a
-        function of seed, training step, layer, global sample and element).
-    bn_eps, bn_momentum : float
-        Batch-norm epsilon and running-statistics momentum (PyTorch's defaults).
-
-    Returns
-    -------
-    Model
-    """
-    n_classes, n_layers, t_final, dt = _common(n_classes, n_layers, t_final, activation, dtype)
-    in_features = _positive_int("in_features", in_features)
-    width = _positive_int("width", width)
-    config = dict(model="dense", in_features=in_features, width=width, n_classes=n_classes,
-                  n_layers=n_layers, t_final=t_final, activation=activation, dtype=dt.name)
-    step = _residual_kind(DenseStep(width, activation), False, width, (width,), activation,
-                          batch_norm, dropout, bn_eps, bn_momentum, config)
-    return Model(DenseOpening(in_features, width, activation), step,
-                 DenseClosing(width, n_classes), n_layers, t_final, dt, seed, config)
-
-
-def conv_resnet(in_channels, channels, image_size, n_classes, n_layers, t_final=1.0,
-                activation="tanh", dtype="float64", seed=0, pool=1, batch_norm=False,
-                dropout=0.0, bn_eps=1e-5, bn_momentum=0.1):
-    """Conv ResNet: sigma(conv3x3(x) + a) to ``channels``, N conv steps, avgpool + affine closing;
-    3x3x3 convolutions (NCDHW, PyTorch's Conv3d layout) when ``image_size`` has three entries.
-
-    Parameters
-    ----------
-    in_channels, channels : int
-        Input channels ci and state channels C.
-    image_size : (int, int) or (int, int, int)
-        (H, W) of the input images, or (D, H, W) of input volumes (kept by every layer:
-        padding 1, stride 1). 3D: ``steps.weight`` is (N, C, C, 3, 3, 3), the steps are
-        composed of the conv3d and activation blocks (the single-state protocol).
-    pool : int
-        The closing averages u_N over a pool^d grid (1 = global average pooling) before the
-        affine map; every image axis must be divisible by ``pool``.
-    n_classes, n_layers, t_final, activation, dtype, seed
-        As in :func:`dense_resnet`.
-    batch_norm, dropout, bn_eps, bn_momentum
-        As in :func:`dense_resnet`: F(u) = dropout(sigma(BN(conv3x3(u, K) + b))) with
-        BatchNorm2d per layer (``steps.bn_weight``, ``steps.bn_bias`` (N, C)).
-    """
-    n_classes, n_layers, t_final, dt = _common(n_classes, n_layers, t_final, activation, dtype)
-    in_channels = _positive_int("in_channels", in_channels)
-    channels = _positive_int("channels", channels)
-    pool = _positive_int("pool", pool)
-    if (not isinstance(image_size, (tuple, list)) or len(image_size) not in (2, 3)):
-        raise ValueError(f"image_size must be (H, W) or (D, H, W), got {image_size!r}")
-    image_size = tuple(_positive_int("image_size", s) for s in image_size)
-    if any(s % pool for s in image_size):
-        raise ValueError(f"image_size {image_size} is not divisible by pool={pool}")
-    config = dict(model="conv", in_channels=in_channels, channels=channels,
-                  image_size=list(image_size), n_classes=n_classes, n_layers=n_layers,
-                  t_final=t_final, activation=activation, dtype=dt.name, pool=pool)
-    state = (channels,) + image_size
-    if len(image_size) == 2:
-        kind, conv, opening = ConvStep(channels, image_size, activation), True, ConvOpening
-    else:  # no stacked 3D kernels: the conv3d block composed with the activation
-        kind = ComposedStep([Affine("conv3d"), Activation(activation)], state,
-                            {"weight": (channels, channels, 3, 3, 3), "bias": (channels,)})
-        conv, opening = "conv3d", Conv3dOpening
-    step = _residual_kind(kind, conv, channels, state, activation, batch_norm, dropout, bn_eps,
-                          bn_momentum, config)
-    return Model(opening(in_channels, channels, image_size, activation), step,
-                 PoolClosing(channels, image_size, n_classes, pool), n_layers, t_final, dt, seed,
-                 config)
-
-
-def gru_classifier(in_features, hidden, n_classes, seq_len, n_layers=1, cell="gru",
-                   coarse="implicit", dtype="float64", seed=0):
-    """A GRU over a sequence (PyTorch's ``torch.nn.GRU``, ``batch_first``, h0 = 0) with an affine
-    map of the last layer's last hidden state to the logits; MGRIT runs over sequence time.
-
-    Parameters
-    ----------
-    in_features, hidden, n_classes : int
-        Input features I per step, hidden size H, classes K.
-    seq_len : int
-        L >= 2, the number of time steps (inputs x are (B, L, I)).
-    n_layers : int
-        Stacked GRU layers, advanced together in time (the state at time t is every layer's
-        hidden state, (B, n_layers, H)).
-    cell : {'gru', 'implicit_gru'}
-        PyTorch's GRU, or the implicit GRU ``h' = (h + (1 - z) n) / (1 + (1 - z))``.
-    coarse : {'implicit', 'rediscretise'}
-        Coarse MGRIT propagator (:mod:`mgnn.blocks.recurrent`): 'implicit' (default) reads the
-        GRU as an ODE with dt = the level's stride and its linear term implicit; it converges
-        3-30x faster per cycle than 'rediscretise' at cf 4 and 8 (docs/recurrent.md).
-    dtype, seed
-        As in :func:`dense_resnet`; PyTorch's initialisation U(-1/sqrt(H), 1/sqrt(H)).
-
-    Returns
-    -------
-    Model
-        Parameters ``gru.weight_ih_l0``, ``gru.weight_hh_l0``, ``gru.bias_ih_l0``,
-        ``gru.bias_hh_l0``, ..._l1, ..., ``closing.weight``, ``closing.bias`` (PyTorch's names
-        and layouts, gates (r, z, n) stacked); ``model.n_layers`` is L (the time steps).
-    """
-    if cell not in ("gru", "implicit_gru"):
-        raise ValueError(f"cell must be 'gru' or 'implicit_gru', got {cell!r}")
-    return _sequence_model(in_features, hidden, n_classes, seq_len, n_layers, cell, coarse,
-                           dtype, seed)
-
-
-def rnn_classifier(in_features, hidden, n_classes, seq_len, n_layers=1, dtype="float64", seed=0):
-    """A tanh RNN (PyTorch's ``torch.nn.RNN``; parameters ``rnn.weight_ih_l0`` ...) with the
-    closing of :func:`gru_classifier`; coarse MGRIT levels rediscretise."""
-    return _sequence_model(in_features, hidden, n_classes, seq_len, n_layers, "rnn",
-                           "rediscretise", dtype, seed)
-
-
-def _sequence_model(in_features, hidden, n_classes, seq_len, n_layers, cell, coarse, dtype,
-                    seed):
-    n_classes, n_steps, _, dt = _common(n_classes, seq_len, 1.0, "tanh", dtype)
-    if n_steps < 2:
-        raise ValueError(f"seq_len must be >= 2 (a sequence), got {seq_len!r}")
-    in_features = _positive_int("in_features", in_features)
-    hidden = _positive_int("hidden", hidden)
-    n_layers = _positive_int("n_layers", n_layers)
-    step = RecurrentStep(cell, in_features, hidden, n_layers, coarse)
-    config = dict(model=cell, in_features=in_features, hidden=hidden, n_classes=n_classes,
-                  seq_len=n_steps, n_layers=n_layers, coarse=coarse, dtype=dt.name)
-    # t_final = L: the fine step is 1 (a coarse step's size is its stride)
-    return Model(ZeroOpening(n_steps, in_features, hidden, n_layers), step,
-                 LastHiddenClosing(hidden, n_classes), n_steps, float(n_steps), dt, seed, config)
-
-
-class ForwardPropagator:
-    """The forward residual steps of a model as an MGRIT propagator.
-
-    ``step(u, start, stop, level)`` applies layer ``start`` (injection of the parameters of the
-    layer at the coarse point) with step size ``(stop - start) h``.
-    """
-
-    fresh_outputs = True  # every step returns a new array
-
-    def __init__(self, model, bk, ctx=None):
-        self.kind, self.bk = model.step, bk
-        self.ctx = StepContext(buffers=model.group_buffers()) if ctx is None else ctx
-        self.P = steps = model.step_params()
-        self.W, self.b = steps.get("weight"), steps.get("bias")
-        self.h, self.dtype = model.t_final / model.n_layers, model.dtype
-        fused = self.kind.fused  # composed steps: the single-state (list) protocol only
-        self.batched = fused and bool(getattr(bk, "batched_relaxation", False))
-        self.fused_rhs = True  # step_batch adds the FAS rhs in the kernel's epilogue
-        # recurrent kinds: stacked kernels of their own (layer-indexed, shared weights)
-        self._layered = not fused and callable(getattr(self.kind, "chains_forward_layers",
-                                                       None)) and self.kind.can_stack(bk)
-        self.stacked = (fused and _has_stacked(bk)) or self._layered
-        self.captures = self.stacked and self.kind.can_replay(bk)
-        self.graphs = self.stacked and bool(getattr(bk, "graphs", False))
-        self.replicas = {}
-
-    def solve_context(self):
-        """What a solve runs in: one BLAS thread while Numba's threads run the chains of a
-        stacked dense or conv solve (:func:`mgnn.backend.blas_threads.solve_blas_context`)."""
-        stacked_blas = self.stacked and isinstance(self.kind, (DenseStep, ConvStep))
-        return solve_blas_context(self.bk, stacked_blas)
-
-    def begin_graph(self):
-        """Capture the backend's launches that follow into a graph (a GPU backend)."""
-        self.bk.begin_capture()
-
-    def end_graph(self):
-        """The graph captured since :meth:`begin_graph` (``launch()`` replays it)."""
-        return self.bk.end_capture()
-
-    def graph_key(self):
-        """The addresses a captured graph reads the layers from, and the backend's scratch
-        generation (a change recaptures)."""
-        return _addresses(self.W, self.b) + (getattr(self.bk, "buffer_generation", 0),)
-
-    def tape_layers(self, origin, stride, level):
-        """(layer0, layer step, h) of the stacked kernels for a store with this origin and
-        stride (what :meth:`advance` passes them), for a captured cycle."""
-        return origin - stride, stride, self.dtype.type(stride * self.h)
-
-    def tape_stores(self, stores):
-        """A captured cycle's stores in the backend's form."""
-        return self.bk.stores_list(stores)
-
-    def run_tape(self, stores, rows, hs, norms):
-        """Replay a captured cycle (:mod:`mgnn.backend.tape`) with the current parameters."""
-        self.kind.run_tape(self.W, self.b, 0, stores, rows, hs, norms, False, self.bk)
-
-    def tape_key(self):
-        """What a captured cycle's layer indices were checked against (a change recaptures)."""
-        return self.W.shape, self.b.shape
-
-    def advance(self, U, G, chains, origin, stride, level):
-        """Stacked relaxation (:class:`mgnn.mgrit.engines.StackedEngine`): slot i is fine index
-        origin + i stride; the step into it applies layer origin + (i - 1) stride."""
-        h = self.dtype.type(stride * self.h)
-        if self._layered:
-            return self.kind.chains_forward_layers(self.P, U, G, chains, origin - stride,
-                                                   stride, h, self.bk, self.ctx)
-        self.kind.chains_forward(self.W, self.b, U, G, chains, origin - stride, stride, h, self.bk)
-
-    def points(self, U, G, R, slots, out_slots, origin, stride, level, mode):
-        """Stacked residual / FAS / plain steps (see :meth:`advance`)."""
-        h = self.dtype.type(stride * self.h)
-        if self._layered:
-            return self.kind.points_forward_layers(self.P, U, G, R, slots, out_slots,
-                                                   origin - stride, stride, h, mode, self.bk,
-                                                   self.ctx)
-        return self.kind.points_forward(self.W, self.b, U, G, R, slots, out_slots, origin - stride,
-                                        stride, h, mode, self.bk)
-
-    def coarse_replica(self, level):
-        """The :class:`CoarseReplica` of ``level`` set by :meth:`LayerParallel` for this solve
-        (None: the level is solved as a chain across ranks)."""
-        return self.replicas.get(level)
-
-    def step_batch(self, us, starts, stops, level, rhs=None):
-        """[step(us[p], starts[p], stops[p], level) (+ rhs[p])] in one batched kernel call (one
-        level: every stop - start is the same); the rhs is added in the kernel's epilogue."""
-        h = self.dtype.type((stops[0] - starts[0]) * self.h)
-        return self.kind.forward_batched(self.W, self.b, us, starts, h, self.bk, rhs)
-
-    def step(self, u, start, stop, level):
-        """State at fine index ``stop`` from ``u`` at ``start``: u + (stop-start) h F(u; theta_start)."""
-        h = self.dtype.type((stop - start) * self.h)
-        return self.kind.forward_layer(self.P, start, u, h, self.bk, self.ctx)
-
-
-class AdjointPropagator:
-    """The adjoint recursion lam_n = lam_{n+1} + h J_n^T lam_{n+1} as a forward-in-index propagator.
-
-    Reversed index m stands for forward index N - m. ``step(lam, start, stop, level)`` is the state
-    vjp of the (coarse) forward step out of n = N - stop with step size (stop - start) h, at the
-    stored forward state u_n, with sigma'(z_n) ``derivs[n]`` (the same on every level: z_n does not
-    depend on the step size). For composed and recurrent kinds ``derivs[n]`` is step n's
-    linearisation cache; recurrent kinds on a host backend run the stacked engine on a
-    :class:`mgnn.blocks.recurrent.StackedLinearization` (built from ``states`` when ``derivs``
-    is a list or dict of single-state caches).
-
-    It is a *pull* propagator: the step into reversed index m+s needs layer N-m-s and the state
-    u_{N-m-s}, which live on the rank owning forward index N-m-s = the rank owning reversed point
-    m+s under the mirrored partition, so across a rank boundary the adjoint state is sent, not
-    the parameters.
-    """
-
-    pull = True
-    fresh_outputs = True
-
-    def __init__(self, model, states, derivs, bk, ctx=None):
-        self.kind, self.bk = model.step, bk
-        self.ctx = StepContext(buffers=model.group_buffers()) if ctx is None else ctx
-        self.P = steps = model.step_params()
-        self.W, self.b = steps.get("weight"), steps.get("bias")
-        self.N, self.h, self.dtype = model.n_layers, model.t_final / model.n_layers, model.dtype
-        self.U, self.D = states, derivs  # D[n]: linearisation cache of layer n (or None)
-        self._built = None  # a StackedLinearization built from list caches (_linearization)
-        fused = self.kind.fused
-        self.batched = fused and bool(getattr(bk, "batched_relaxation", False))
-        self.fused_rhs = True
-        # recurrent kinds: stacked adjoint kernels of their own, on a StackedLinearization D
-        self._layered = not fused and callable(getattr(self.kind, "chains_adjoint_layers",
-                                                       None)) and self.kind.can_stack_adjoint(bk)
-        self.stacked = (fused and _has_stacked(bk)) or self._layered
-        self.captures = self.stacked and self.kind.can_replay(bk)
-        self.graphs = self.stacked and bool(getattr(bk, "graphs", False))
-        self.derivs, self.d0 = None, 0  # sigma' of layers d0, d0 + 1, ... as one array
-        self.replicas = {}
-
-    coarse_replica = ForwardPropagator.coarse_replica
-    tape_stores, solve_context = ForwardPropagator.tape_stores, ForwardPropagator.solve_context
-    begin_graph, end_graph = ForwardPropagator.begin_graph, ForwardPropagator.end_graph
-
-    def graph_key(self):
-        D, d0 = self._stacked_derivs()
-        return _addresses(self.W, D) + (d0, getattr(self.bk, "buffer_generation", 0))
-
-    def tape_layers(self, origin, stride, level):
-        """(layer0, layer step, h) as :meth:`advance` passes them, for a captured cycle."""
-        return self.N - origin, -stride, self.dtype.type(stride * self.h)
-
-    def run_tape(self, stores, rows, hs, norms):
-        """Replay a captured cycle with the current sigma' (:meth:`reset`)."""
-        D, d0 = self._stacked_derivs()
-        self.kind.run_tape(self.W, D, d0, stores, rows, hs, norms, True, self.bk)
-
-    def tape_key(self):
-        D, d0 = self._stacked_derivs()
-        return self.W.shape, D.shape, d0
-
-    def reset(self, states, derivs):
-        """The forward states and linearisation caches of a new training step."""
-        self.U, self.D = states, derivs
-        self._built = None  # a linearisation built from the old states (_linearization)
-
-    def advance(self, L, G, chains, origin, stride, level):
-        """Stacked relaxation: slot i is reversed index origin + i stride; the step into it is
-        the vjp of layer N - origin - i stride with sigma' from :attr:`derivs`."""
-        h = self.dtype.type(stride * self.h)
-        if self._layered:
-            return self.kind.chains_adjoint_layers(self.P, L, G, chains, self.N - origin,
-                                                   -stride, h, self._linearization(), self.bk,
-                                                   self.ctx)
-        self.kind.chains_adjoint(self.W, *self._stacked_derivs(), L, G, chains, self.N - origin,
-                                 -stride, h, self.bk)
-
-    def points(self, L, G, R, slots, out_slots, origin, stride, level, mode):
-        """Stacked residual / FAS / plain adjoint steps (see :meth:`advance`)."""
-        h = self.dtype.type(stride * self.h)
-        if self._layered:
-            return self.kind.points_adjoint_layers(self.P, L, G, R, slots, out_slots,
-                                                   self.N - origin, -stride, h, mode,
-                                                   self._linearization(), self.bk, self.ctx)
-        return self.kind.points_adjoint(self.W, *self._stacked_derivs(), L, G, R, slots,
-                                        out_slots, self.N - origin, -stride, h, mode, self.bk)
-
-    def _linearization(self):
-        """The recurrent kinds' stacked linearisation: :meth:`reset`'s ``derivs`` if it is one,
-        else built once (until :meth:`reset`) at the forward states ``states`` (a list
-        or a {step: state} dict of consecutive steps: the single-state protocol's)."""
-        if hasattr(self.D, "u_off"):
-            return self.D
-        if self._built is None:
-            U = self.U
-            steps = (sorted(U) if isinstance(U, dict) else
-                     [n for n in range(min(len(U), self.N)) if U[n] is not None])
-            if not steps or steps != list(range(steps[0], steps[0] + len(steps))):
-                raise ValueError("the stacked recurrent adjoint linearises at the forward states "
-                                 f"of consecutive steps; got states of steps {steps}")
-            Uf = np.stack([U[n] for n in steps])
-            self._built = self.kind.linearize_stacked(
-                self.P, Uf, 0, len(steps), steps[0], self.bk, self.ctx,
-                lambda name, shape, dt: np.empty(shape, dt))
-        return self._built
-
-    def _stacked_derivs(self):
-        """(sigma' array, first layer): :attr:`derivs` if set, else built once from ``derivs``
-        of the constructor (an (N, ...) array, or a list recomputed where None)."""
-        if self.derivs is None:
-            D = self.D
-            if not hasattr(D, "shape"):
-                D = self.bk.xp.stack([
-                    d if d is not None else self.kind.deriv(self.W[n], self.b[n], self.U[n],
-                                                            self.bk) for n, d in enumerate(D)])
-            self.derivs, self.d0 = D, 0
-        return self.derivs, self.d0
-
-    def step_batch(self, lams, starts, stops, level, rhs=None):
-        """[step(lams[p], starts[p], stops[p], level) (+ rhs[p])] in one batched kernel call."""
-        h = self.dtype.type((stops[0] - starts[0]) * self.h)
-        layers = [self.N - stop for stop in stops]
-        derivs = [self.D[n] for n in layers]
-        if any(d is None for d in derivs):  # sigma' not stored: recompute from the states
-            derivs = [self.kind.deriv(self.W[n], self.b[n], self.U[n], self.bk) if d is None
-                      else d for n, d in zip(layers, derivs)]
-        return self.kind.vjp_state_batched(self.W, lams, derivs, layers, h, self.bk, rhs)
-
-    def step(self, lam, start, stop, level):
-        """Adjoint at reversed index ``stop`` from ``lam`` at reversed index ``start``."""
-        n = self.N - stop
-        h = self.dtype.type((stop - start) * self.h)
-        cache = self.D[n]
-        if cache is None:  # not stored: linearise at the stored state
-            cache = self.kind.linearize(self.P, n, self.U[n], self.bk, self.ctx)
-        return self.kind.vjp_state_layer(self.P, n, cache, lam, h, self.bk, self.ctx)
-
-
-class CoarseReplica:
-    """Steps every point of one coarse MGRIT level on every rank (the redundant coarsest solve),
-    from compact copies of that level's layers: row r holds layer r S (forward) or N - (r + 1) S
-    (adjoint; with sigma' of that layer), S the level's fine stride. Same step methods and index
-    conventions as :class:`ForwardPropagator` / :class:`AdjointPropagator`.
-    """
-
-    fresh_outputs = True
-
-    def __init__(self, prop, W, second, stride, adjoint):
-        self.kind, self.bk, self.h, self.dtype = prop.kind, prop.bk, prop.h, prop.dtype
-        self.W, self.second, self.S, self.adjoint = W, second, stride, adjoint
-        self.stacked = prop.stacked
-
-    def advance(self, U, G, chains, origin, stride, level):
-        h = self.dtype.type(stride * self.h)
-        row0 = origin // stride - 1  # the step into slot i uses row row0 + i
-        if self.adjoint:
-            self.kind.chains_adjoint(self.W, self.second, 0, U, G, chains, row0, 1, h, self.bk)
-        else:
-            self.kind.chains_forward(self.W, self.second, U, G, chains, row0, 1, h, self.bk)
-
-    def step(self, u, start, stop, level):
-        h = self.dtype.type((stop - start) * self.h)
-        if self.adjoint:
-            r = stop // self.S - 1
-            return self.kind.vjp_state(self.W[r], None, None, h, u, self.bk, deriv=self.second[r])
-        r = start // self.S
-        return self.kind.forward(self.W[r], self.second[r], u, h, self.bk)
-
-
-class _SpatialLevels:
-    """Spatial coarsening of a conv model's propagators (mgnn issue 14): level l + 1 of the
-    hierarchy holds images coarsened once more than level l when l is in ``levels``.
-
-    States (B, C, *spatial) with 2 or 3 spatial axes; transfers of
-    :mod:`mgnn.backend.grid_transfer` (odd sizes vertex-centred, even sizes cell-centred).
-    Coarse steps apply the same kernels to the coarse grid. The forward propagator keeps the
-    stacked protocol (one store per level, of that level's shape); the adjoint one, which
-    linearises coarse steps at restricted states, the list protocol with batched waves where
-    the backend batches (``step_batch``). No captured cycles, and a sequential coarsest level.
-    """
-
-    stacked = batched = False
-
-    def _spatial_setup(self, model, levels, interp, restrict):
-        self.spatial_levels, self.interp, self.restrict_kind = tuple(levels), interp, restrict
-        # the image size a coarsened level is interpolated back to: from the model, per level
-        size, self._fine_size = model.step.state_shape(1)[2:], {}
-        for lev in sorted(self.spatial_levels):
-            self._fine_size[lev] = size
-            size = grid_transfer.coarse_shape(size)
-
-    def coarsenings(self, level):
-        """How often a level-``level`` state has been coarsened in space."""
-        return sum(1 for lev in self.spatial_levels if lev < level)
-
-    def coarse_replica(self, level):
-        return None
-
-
-class SpatialForwardPropagator(_SpatialLevels, ForwardPropagator):
-    """:class:`ForwardPropagator` with ``restrict`` (the grid transfer R) and ``interpolate``
-    (P) between the levels in ``spatial_levels`` and the next."""
-
-    def __init__(self, model, bk, ctx=None, spatial_levels=(0,), interp="linear",
-                 restrict="full"):
-        ForwardPropagator.__init__(self, model, bk, ctx)
-        self.captures = self.graphs = False
-        self._spatial_setup(model, spatial_levels, interp, restrict)
-
-    def restrict(self, u, level):
-        """Level ``level`` -> level + 1: R u where the level is coarsened, else a copy."""
-        if level not in self.spatial_levels:
-            return u.copy()
-        return grid_transfer.restrict(u, self.interp, self.restrict_kind)
-
-    def interpolate(self, e, level):
-        """Level ``level`` + 1 -> level: P e where the level is coarsened, else a copy."""
-        if level not in self.spatial_levels:
-            return e.copy()
-        return grid_transfer.interpolate(e, self._fine_size[level], self.interp)
-
-
-class SpatialAdjointPropagator(_SpatialLevels, AdjointPropagator):
-    """:class:`AdjointPropagator` on spatially coarsened levels: the transposes of the forward
-    transfers (restriction P^T, interpolation R^T), and on a level coarsened k times the vjp of
-    the coarse forward step linearised at R^k u_n (the state the coarse forward level holds at
-    convergence), so the adjoint solve is the true adjoint of the coarse-grid operators the
-    forward solve uses."""
-
-    def __init__(self, model, states, derivs, bk, ctx=None, spatial_levels=(0,),
-                 interp="linear", restrict="full"):
-        AdjointPropagator.__init__(self, model, states, derivs, bk, ctx)
-        self.stacked = self.captures = self.graphs = False  # batched waves stay
-        self._spatial_setup(model, spatial_levels, interp, restrict)
-        self._coarse = {}  # (n, k) -> (R^k u_n, its linearisation cache), for this solve
-
-    def reset(self, states, derivs):
-        """New forward states and caches (a new training step)."""
-        self.U, self.D, self._coarse = states, derivs, {}
-
-    def restrict(self, lam, level):
-        if level not in self.spatial_levels:
-            return lam.copy()
-        return grid_transfer.interpolate_transpose(lam, self.interp)
-
-    def interpolate(self, e, level):
-        if level not in self.spatial_levels:
-            return e.copy()
-        return grid_transfer.restrict_transpose(e, self._fine_size[level], self.interp,
-                                                self.restrict_kind)
-
-    def _coarse_cache(self, n, k):
-        """(R^k u_n, the linearisation of layer n there)."""
-        key = (n, k)
-        hit = self._coarse.get(key)
-        if hit is None:
-            u = self.U[n]
-            for _ in range(k):
-                u = grid_transfer.restrict(u, self.interp, self.restrict_kind)
-            hit = self._coarse[key] = (u, self.kind.linearize(self.P, n, u, self.bk, self.ctx))
-        return hit
-
-    def step_batch(self, lams, starts, stops, level, rhs=None):
-        """:meth:`AdjointPropagator.step_batch`; on a level coarsened k times with sigma' at
-        R^k u_n (:meth:`_coarse_cache`)."""
-        k = self.coarsenings(level)
-        if k == 0:
-            return AdjointPropagator.step_batch(self, lams, starts, stops, level, rhs)
-        h = self.dtype.type((stops[0] - starts[0]) * self.h)
-        layers = [self.N - stop for stop in stops]
-        derivs = [self._coarse_cache(n, k)[1] for n in layers]
-        return self.kind.vjp_state_batched(self.W, lams, derivs, layers, h, self.bk, rhs)
-
-    def step(self, lam, start, stop, level):
-        k = self.coarsenings(level)
-        if k == 0:
-            return AdjointPropagator.step(self, lam, start, stop, level)
-        n = self.N - stop
-        h = self.dtype.type((stop - start) * self.h)
-        _, cache = self._coarse_cache(n, k)
-        return self.kind.vjp_state_layer(self.P, n, cache, lam, h, self.bk, self.ctx)
 
 
 class LayerParallel:
@@ -905,22 +220,6 @@ class LayerParallel:
         """More than one rank takes part."""
         return self.layout.size > 1
 
-    def _rows(self, name):
-        """(rows of parameter ``name`` this rank computes, rows it owns) as slices of the leading
-        axis, None for none: its own layers of per-layer step parameters; the opening on the
-        first and the closing on the last layer rank; weights shared by every step are computed
-        in part on every rank (their gradient is a sum over the steps) and owned by the first.
-        The one ownership table of :meth:`_owned_mask` and :meth:`_zero_unowned`."""
-        group, lay, m = name.split(".")[0], self.layout, self.model
-        whole = slice(None)
-        if group == m.step_prefix:
-            if m.step.shared:
-                return whole, (whole if lay.first else None)
-            own = slice(self.layers.start, self.layers.stop)
-            return own, own
-        mine = lay.first if group == "opening" else lay.last
-        return (whole, whole) if mine else (None, None)
-
     @property
     def owned(self):
         """Entries this rank owns, as a boolean mask of the flat parameter buffer (see
@@ -929,34 +228,6 @@ class LayerParallel:
         if self._owned is None:
             self._owned = self._owned_mask()
         return self._owned
-
-    def _owned_mask(self):
-        """Entries this rank owns (reports in :meth:`gather` / :meth:`gather_params`; see
-        :meth:`_rows`) as a boolean mask of the flat buffer."""
-        mask = self.model.params.zeros_like()
-        for k, v in mask.items():
-            owned = self._rows(k)[1]
-            if owned is not None:
-                v[owned] = 1
-        return mask.flat.astype(bool)
-
-    # ------------------------------------------------------------------------------ validation
-    def _as_array(self, a, what):
-        """``a`` as an array of this backend: NumPy for the CPU backends; for 'cuda' a CuPy array
-        (CuPy, ``__cuda_array_interface__`` and DLPack inputs without a copy, NumPy moved once)."""
-        xp = self.xp
-        if xp is np:
-            if not isinstance(a, np.ndarray):
-                raise TypeError(f"{what} must be a numpy array, got {type(a).__name__}")
-            return a
-        if isinstance(a, (xp.ndarray, np.ndarray)) or hasattr(a, "__cuda_array_interface__"):
-            return xp.asarray(a)
-        if hasattr(a, "__dlpack__"):
-            if _dlpack_on_host(a):  # cupy.from_dlpack refuses host memory: one copy over
-                return xp.asarray(np.from_dlpack(a))
-            return xp.from_dlpack(a)
-        raise TypeError(f"{what} must be an array (CuPy, NumPy, __cuda_array_interface__ or "
-                        f"DLPack), got {type(a).__name__}")
 
     def message_path(self):
         """How boundary states and gradient sums reach MPI, in words (for ``--timings``)."""
@@ -974,192 +245,7 @@ class LayerParallel:
         to the GPU once for 'cuda'): what a training loop does with its data before batching."""
         return a if self.xp is np else self._as_array(a, "array")
 
-    def _check_x(self, x):
-        m, xp = self.model, self.xp
-        x = self._as_array(x, "x")
-        if x.dtype != m.dtype:
-            raise TypeError(f"x has dtype {x.dtype} but the model is {m.dtype}; "
-                            "convert explicitly (mgnn never casts silently)")
-        want = m.input_shape()
-        if x.ndim != len(want) + 1 or x.shape[1:] != want or x.shape[0] < 1:
-            raise ValueError(f"x has shape {x.shape}, expected (B,) + {want} with B >= 1")
-        if not bool(xp.isfinite(x).all()):
-            raise ValueError(f"x contains {int(xp.count_nonzero(~xp.isfinite(x)))} non-finite "
-                             "values")
-        return xp.ascontiguousarray(x)
-
-    def _check_y(self, y, batch):
-        if self.xp is not np and hasattr(y, "shape"):
-            y = self._as_array(y, "y")
-        if not isinstance(y, (np.ndarray, self.xp.ndarray)) or \
-                not np.issubdtype(y.dtype, np.integer):
-            raise TypeError(f"y must be an integer array, got "
-                            f"{getattr(y, 'dtype', type(y).__name__)}")
-        if y.shape != (batch,):
-            raise ValueError(f"y has shape {y.shape}, expected ({batch},) to match x")
-        k = self.model.n_classes
-        bad = (y < 0) | (y >= k)
-        if bool(bad.any()):
-            raise ValueError(f"labels out of range [0, {k}): "
-                             f"{np.unique(to_host(y[bad]))[:10].tolist()}")
-        return self.xp.ascontiguousarray(y, dtype=np.int64)
-
-    # ------------------------------------------------------------------------------ computation
-    def _serial_states(self, u0, store):
-        """Layer after layer: U (N+1, B, ...) and, if ``store``, D: the linearisation caches
-        (fused kinds: sigma'(z_n) as one (N, B, ...) array; composed: a list)."""
-        m, kind, ctx = self.model, self.model.step, self.ctx
-        steps = m.step_params()
-        # the stores are kept across calls (per shape): a fresh (N+1) B C H W array each step
-        # costs its page faults (~7 ms of a 100 ms conv step at C 16, N 16, B 32)
-        U = self._reused("serial_U", (m.n_layers + 1,) + u0.shape, m.dtype)
-        U[0] = u0
-        if kind.fused:
-            D = self._reused("serial_D", (m.n_layers if store else 0,) + u0.shape, m.dtype)
-            kind.sweep_forward(steps["weight"], steps["bias"], U, m.h, D, self.bk)
-            return U, D
-        sweep = getattr(kind, "sweep_forward_layers", None)  # one call for the whole sequence
-        D = None if sweep is None else sweep(steps, U, m.h, store, self.bk, ctx)
-        if D is not None:
-            return U, D
-        D = [None] * m.n_layers
-        for n in range(m.n_layers):
-            if store:
-                U[n + 1], D[n] = kind.forward_linearize(steps, n, U[n], m.h, self.bk, ctx)
-            else:
-                U[n + 1] = kind.forward_layer(steps, n, U[n], m.h, self.bk, ctx)
-        return U, D
-
-    def _forward(self, x, store):
-        m, bk = self.model, self.bk
-        u0, d_open = m.opening.forward(m.group("opening"), x, bk)
-        U, D = self._serial_states(u0, store)
-        logits, c_close = m.closing.forward(m.group("closing"), U[-1], bk)
-        return logits, (d_open, U, D, c_close)
-
-    def _serial_loss_and_grad(self, x, y, out=None):
-        m, bk = self.model, self.bk
-        logits, (d_open, U, D, c_close) = self._forward(x, store=True)
-        loss, g = m.loss.forward_grad(logits, y, bk)
-        grads = m.params.zeros_like() if out is None else out  # every entry is written below
-        lam, gc = m.closing.vjp(m.group("closing"), U[-1], c_close, g, bk)
-        steps = m.step_params()
-        if m.step.fused:
-            lam = m.step.sweep_backward(steps["weight"], steps["bias"], U, D, m.h, lam,
-                                        grads["steps.weight"], grads["steps.bias"], bk)
-        else:  # state vjps layer after layer, then every parameter gradient in one call
-            G = grads.group(m.step_prefix)
-            sweep = getattr(m.step, "sweep_backward_layers", None)  # or one call for it all
-            lam0 = None if sweep is None else sweep(steps, U, D, lam, m.h, bk, self.ctx, G)
-            if lam0 is None and isinstance(m.step, ComposedStep) and not m.step.shared:
-                for n in range(m.n_layers - 1, -1, -1):  # state and parameter vjps in one pass
-                    lam = m.step.vjp_layer(steps, n, U[n], D[n], lam, m.h, bk, self.ctx, G)
-                lam0 = lam
-            if lam0 is None:
-                lams = [None] * m.n_layers + [lam]
-                for n in range(m.n_layers - 1, -1, -1):
-                    lams[n] = m.step.vjp_state_layer(steps, n, D[n], lams[n + 1], m.h, bk,
-                                                     self.ctx)
-                m.step.vjp_params_steps(steps, range(m.n_layers), U, D, lams, m.h, bk,
-                                        self.ctx, G)
-                lam0 = lams[0]
-            lam = lam0
-            self._commit_buffers(range(m.n_layers), D)
-        _, go = m.opening.vjp(m.group("opening"), x, d_open, lam, bk)
-        for prefix, gd in (("opening", go), ("closing", gc)):
-            for k, v in gd.items():
-                grads[f"{prefix}.{k}"][...] = v
-        self.stats = _exact_stats()
-        return loss, grads
-
-    def _validated(self, x, y=None, out=None):
-        """Checked (x, y) (and the gradient buffer ``out`` if given); in a distributed run every
-        rank raises if any rank's input is bad (one collective, whatever each rank passed). Also
-        puts this model's thread counts back (another model of the process may have changed
-        them: they are process-wide)."""
-        apply_threads(self.threads)
-        err = None
-        try:
-            if out is not None:
-                self._check_out(out)
-            x = self._check_x(x)
-            if y is not None:
-                y = self._check_y(y, x.shape[0])
-        except (ValueError, TypeError) as exc:
-            err = exc
-        lay = self.layout
-        batches = agree_on_errors(lay.comm, err, x.shape[0] if err is None else None)
-        L = lay.layer_size
-        for replica in range(lay.data_ranks):
-            mine = batches[replica * L:(replica + 1) * L]
-            if len(set(mine)) > 1:
-                raise ValueError(f"the layer ranks of replica {replica} passed batches of sizes "
-                                 f"{mine}; every layer rank of a replica must pass the same shard")
-        shards = [batches[r * L] for r in range(lay.data_ranks)]
-        if y is not None and self.model.training:  # the same check on every rank
-            stat_batches = [sum(shards)] if self.ctx.replicas is not None else shards
-            self.model.step.check_batch(min(stat_batches))
-        self.ctx.sample0 = sum(shards[:lay.replica])
-        return x, y
-
-    def _solver(self, kind, opts):
-        """The cached solver for 'forward' or 'adjoint' propagation under ``opts`` (built once:
-        construction duplicates the layer communicator)."""
-        key = (kind, id(opts))  # opts are this object's own, alive as long as it is
-        if key not in self._solvers:
-            lay, m = self.layout, self.model
-            spatial = {} if not self.spatial else dict(
-                spatial_levels=self.spatial[0], interp=self.spatial[1], restrict=self.spatial[2])
-            if kind == "forward":
-                cls = SpatialForwardPropagator if spatial else ForwardPropagator
-                prop, part = cls(m, self.bk, self.ctx, **spatial), self.partition
-            else:
-                cls = SpatialAdjointPropagator if spatial else AdjointPropagator
-                prop, part = (cls(m, None, None, self.bk, self.ctx, **spatial),
-                              self.adjoint_partition)
-            self._solvers[key] = MGRITSolver(prop, m.n_layers, opts, comm=lay.layer_comm,
-                                             partition=part, norm_comm=lay.comm,
-                                             abort_on_error=False, overlap=self.overlap,
-                                             ops=vector_ops(self.backend),
-                                             xp=None if self.xp is np else self.xp,
-                                             reuse_states=True, coarsest=self.coarsest,
-                                             capture=self.capture)
-        return self._solvers[key]
-
-    def _distributed_forward(self, x, opts, guess=None):
-        """(MGRITResult of the forward solve, opening's sigma' or None): states on their owners."""
-        m, bk, lay = self.model, self.bk, self.layout
-        if lay.first:
-            u0, d_open = m.opening.forward(m.group("opening"), x, bk)
-        else:
-            # a template only (the owner's values are used): zeros, kept per shape
-            u0, d_open = self._reused("zeros", m.step.state_shape(x.shape[0]), m.dtype), None
-        solver = self._solver("forward", opts)
-        self._refresh_replica(solver)
-        res = solver.solve(u0, guess)
-        return res, d_open
-
-    def logits(self, x):
-        """Logits (B, K) of the model's dtype for inputs x (B, ...), by exact forward propagation
-        (the network's function, whatever the training solver options); on every layer rank."""
-        x, _ = self._validated(x)
-        lay = self.layout
-        self.ctx.training = False  # evaluation: running statistics, no dropout
-        self.ctx.begin(x)
-        if lay.layer_size == 1:
-            return self._forward(x, store=False)[0]
-        with abort_on_error(lay.comm, "mgnn"):
-            res, _ = self._distributed_forward(x, self._serial_opts)
-            logits = None
-            if lay.last:
-                logits = self.model.closing.forward(self.model.group("closing"), res.final,
-                                                    self.bk)[0]
-            return lay.layer_comm.bcast(logits, root=lay.layer_size - 1)
-
-    def predict(self, x):
-        """Predicted class indices (B,) int64 for inputs x (B, ...)."""
-        return self.xp.argmax(self.logits(x), axis=1)
-
+    # ----------------------------------------- public: a training step, inference, gathering
     def loss_and_grad(self, x, y, out=None):
         """Mean softmax cross-entropy of the (global) batch and its gradient.
 
@@ -1204,28 +290,75 @@ class LayerParallel:
                 _bcast_staged(lay.data_comm, m.buffers.flat)
         return result
 
-    def _commit_buffers(self, layers, caches):
-        """Train mode: the running statistics of ``layers`` from their caches at the final
-        forward states (once per training step)."""
-        if self.ctx.training:
-            for n in layers:
-                self.model.step.commit_buffers(self.ctx.buffers, n, caches[n])
+    def logits(self, x):
+        """Logits (B, K) of the model's dtype for inputs x (B, ...), by exact forward propagation
+        (the network's function, whatever the training solver options); on every layer rank."""
+        x, _ = self._validated(x)
+        lay = self.layout
+        self.ctx.training = False  # evaluation: running statistics, no dropout
+        self.ctx.begin(x)
+        if lay.layer_size == 1:
+            return self._forward(x, store=False)[0]
+        with abort_on_error(lay.comm, "mgnn"):
+            res, _ = self._distributed_forward(x, self._serial_opts)
+            logits = None
+            if lay.last:
+                logits = self.model.closing.forward(self.model.group("closing"), res.final,
+                                                    self.bk)[0]
+            return lay.layer_comm.bcast(logits, root=lay.layer_size - 1)
 
-    def _check_out(self, out):
-        """``out`` of :meth:`loss_and_grad` must be a ParamDict laid out like model.params."""
-        p = self.model.params
-        if not isinstance(out, ParamDict):
-            raise TypeError(f"out must be a ParamDict (e.g. model.params.zeros_like()), got "
-                            f"{type(out).__name__}")
-        if getattr(out, "offsets", None) != p.offsets or out.shapes() != p.shapes():
-            raise ValueError(f"out has parameters {out.shapes()}, expected model.params' "
-                             f"{p.shapes()}")
-        if type(out.flat) is not type(p.flat) or out.flat.dtype != p.flat.dtype:
-            raise TypeError(f"out holds {type(out.flat).__name__} {out.flat.dtype}; expected "
-                            f"{type(p.flat).__name__} {p.flat.dtype} like model.params")
-        if out.flat is p.flat or (out.flat.base is not None and out.flat.base is p.flat.base):
-            raise ValueError("out is model.params itself; pass a separate gradient buffer")
+    def predict(self, x):
+        """Predicted class indices (B,) int64 for inputs x (B, ...)."""
+        return self.xp.argmax(self.logits(x), axis=1)
 
+    def gather(self, grads):
+        """Every entry of ``grads`` (a ParamDict from :meth:`loss_and_grad`) on every rank: a new
+        ParamDict (the entries of other ranks' layers are summed in from their owners)."""
+        out = grads.copy()
+        lay = self.layout
+        if lay.layer_comm is not None and lay.layer_size > 1:
+            out.flat[~self.owned] = 0  # shared weights: every rank holds the sum, count it once
+            _allreduce_staged(lay.layer_comm, out.flat)
+        return out
+
+    def grad_norm(self, grads):
+        """Collective over the layer ranks: the 2-norm of the whole gradient ``grads`` (from
+        :meth:`loss_and_grad`; every entry counted once, from its owner), the same float on
+        every rank (what gradient clipping needs)."""
+        xp, lay = self.xp, self.layout
+        sq = float(xp.sum(xp.where(self.owned, grads.flat, 0) ** 2))
+        if lay.layer_comm is not None and lay.layer_size > 1:
+            sq = lay.layer_comm.allreduce(sq)
+        return sq ** 0.5
+
+    def gather_buffers(self):
+        """The model's buffers (running statistics) as held by their layers' owners in replica
+        0, on every rank: a new 1-D array laid out like ``model.buffers.flat``."""
+        buf = self.model.buffers
+        xp, lay = self.xp, self.layout
+        lo, hi = self.layers.start, self.layers.stop
+        out = xp.zeros_like(buf.flat)
+        if lay.replica == 0:
+            for k in buf:
+                out[buf.offsets[k]:buf.offsets[k] + buf[k].size].reshape(buf[k].shape)[lo:hi] \
+                    = buf[k][lo:hi]
+        if lay.comm is not None and lay.size > 1:
+            _allreduce_staged(lay.comm, out)
+        return out
+
+    def gather_params(self, flat=None):
+        """The model's parameters (or another flat buffer laid out like them, e.g. optimizer
+        state) as held by their owners, on every rank: a new 1-D array."""
+        src = self.model.params.flat if flat is None else flat
+        xp = self.xp
+        out = xp.where(self.owned, xp.asarray(src), 0).astype(src.dtype)
+        lay = self.layout
+        if lay.layer_comm is not None and lay.layer_size > 1:
+            _allreduce_staged(lay.layer_comm, out)
+        return out
+
+
+    # ----------------------------------------------------------- the training step, in order
     def _general_loss_and_grad(self, x, y, out=None, opts=None):
         """MGRIT (or distributed) loss and gradient under ``opts`` = (fwd, bwd) (default: this
         object's); on a backend with a workspace
@@ -1236,32 +369,285 @@ class LayerParallel:
         with ws() if callable(ws) else contextlib.nullcontext():
             return self._general_step(x, y, out, fwd, bwd)
 
-    # ------------------------------------------------------------------------------ the guard
-    def _exact_loss_and_grad(self, x, y, out):
-        """The exact loss and gradient (layer after layer; across ranks the sequential
-        hand-off)."""
-        if self.layout.size == 1:
-            return self._serial_loss_and_grad(x, y, out)
-        return self._general_loss_and_grad(x, y, out, (None, None))
+    def _general_step(self, x, y, out, fwd, bwd):
+        """One training step under MGRIT options ``fwd``/``bwd`` (None: exact propagation), on
+        one process or on this rank of a distributed run, read top to bottom: the forward solve
+        over the layers, the linearisation of the owned layers at its final states, the loss and
+        its seed lambda_N on the last layer rank, the adjoint solve backward in layer index, the
+        parameter gradients, then the opening layer's vjp and the reductions."""
+        st = _Step(self, x, y, out)
+        self._forward_solve(st, fwd)
+        self._linearize(st, bwd)
+        self._loss_and_seed(st)
+        self._adjoint_solve(st, bwd)
+        self._parameter_gradients(st)
+        self._opening_and_reductions(st)
+        return float(st.loss), st.grads
 
-    def _compare(self, grads, exact):
-        """(relative error |grads - exact| / |exact|, cosine) over every parameter of the model
-        (one collective over the layer ranks: the same numbers on every rank)."""
-        xp, lay = self.xp, self.layout
-        g, e = grads.flat, exact.flat
-        if lay.size > 1:
-            g, e = g[self.owned], e[self.owned]
-        g, e = g.astype(np.float64), e.astype(np.float64)
-        d = g - e
-        sums = [float((d * d).sum()), float((g * e).sum()), float((g * g).sum()),
-                float((e * e).sum())]
-        if lay.layer_comm is not None:  # (an array: a list's "sum" would concatenate)
-            sums = lay.layer_comm.allreduce(np.array(sums)).tolist()
-        tiny = np.finfo(np.float64).tiny
-        ne = math.sqrt(sums[3])
-        return (math.sqrt(sums[0]) / max(ne, tiny),
-                sums[1] / max(math.sqrt(sums[2]) * ne, tiny))
+    def _forward_solve(self, st, fwd):
+        """MGRIT (or the exact hand-off) from the opening layer's output: st.U[n] for n owned
+        (and N on the last rank), st.store the solver's level-0 store (stacked engine)."""
+        guess = None
+        prev = self._previous_states
+        if self.warm_start and prev is not None and prev[1] == st.batch:
+            guess = prev[0].__getitem__
+        self._replica_seconds = 0.0
+        res, st.d_open = self._distributed_forward(st.x, fwd or self._serial_opts, guess)
+        st.add(res)
+        if fwd is not None:
+            st.stats["forward"] = {"residuals": list(res.residuals),
+                                   "iterations": res.iterations, "converged": res.converged}
+            if self.warm_start:
+                self._previous_states = (res.states, st.batch)
+        st.U, st.store = res.states, res.store
 
+    def _linearize(self, st, bwd):
+        """The linearisation caches D[n] of the owned layers at the final forward states:
+        composed kinds one per layer (committing the BN running statistics), recurrent kinds all
+        owned steps in one call, fused kinds sigma' of layer n in row n - lo of st.derivs (read
+        straight from the solver's store when stacked: one call, no per-layer Python)."""
+        m, bk, N, U, owned = self.model, self.bk, self.model.n_layers, st.U, st.owned
+        lo = owned.start
+        steps = st.steps
+        W, b = steps.get("weight"), steps.get("bias")
+        st.stacked = st.store is not None and _has_stacked_grads(bk)
+        t0 = time.perf_counter()
+        st.template = U[lo] if len(owned) else U[N]
+        st.solver = self._solver("adjoint", bwd or self._serial_opts)
+        st.layered = not m.step.fused and st.solver.prop._layered
+        if st.layered:  # recurrent kinds: every owned step's caches in one call, from the store
+            if st.store is not None:
+                Uf, first = st.store[0], lo - st.store[1] + 1
+            else:  # the forward ran on the list engine: its states stacked once
+                Uf, first = self.xp.stack([U[n] for n in owned] or [st.template]), 0
+            st.D = m.step.linearize_stacked(steps, Uf, first, len(owned), lo, bk, self.ctx,
+                                            self._reused)
+        elif not m.step.fused:
+            st.D = [None] * N
+            for n in owned:
+                st.D[n] = m.step.linearize(steps, n, U[n], bk, self.ctx)
+            self._commit_buffers(owned, st.D)
+        elif st.stacked:
+            st.derivs = self._reused("derivs", (len(owned),) + st.template.shape,
+                                     st.template.dtype)
+            Uf, a_f = st.store  # state n in slot n - a_f + 1
+            m.step.deriv_stacked(W, b, Uf, lo - a_f + 1, len(owned), lo, st.derivs, bk)
+            st.D = _Rows(st.derivs, lo)
+        else:
+            st.derivs = self._reused("derivs", (len(owned),) + st.template.shape,
+                                     st.template.dtype)
+            st.D = [None] * N
+            for k, d in enumerate(m.step.deriv_batched(W, b, [U[n] for n in owned],
+                                                       list(owned), bk)):
+                st.derivs[k] = d
+                st.D[owned[k]] = st.derivs[k]
+        st.timings["steps"] += time.perf_counter() - t0
+
+    def _loss_and_seed(self, st):
+        """The gradient buffer, and on the last layer rank the closing layer, the loss of this
+        shard (weighted by its share of the global batch) and lambda_N = dL/du_N; other ranks
+        seed their adjoint solve with zeros. The closing gradients' reduction starts here."""
+        m, bk, N = self.model, self.bk, self.model.n_layers
+        if st.out is None:
+            st.grads = ParamDict.allocate(m.params.shapes(), m.dtype, self.xp)
+        else:
+            st.grads = self._zero_unowned(st.out)
+        st.buckets = _Buckets(self.layout.data_comm, st.grads, self.layout.comm)
+        if self.layout.last:
+            logits, c_close = m.closing.forward(m.group("closing"), st.U[N], bk)
+            loss, g = m.loss.forward_grad(logits, st.y, bk)
+            st.loss_part = loss * st.batch / st.total_batch
+            g *= m.dtype.type(st.batch / st.total_batch)
+            st.lam_N, gc = m.closing.vjp(m.group("closing"), st.U[N], c_close, g, bk)
+            for k, v in gc.items():
+                st.grads[f"closing.{k}"][...] = v
+            st.buckets.start("closing.weight", "closing.bias")
+        elif st.stacked:  # the stacked engine copies u0 into its store: a cached zero serves
+            st.lam_N = self._reused("zeros", st.template.shape, st.template.dtype)
+        else:
+            st.lam_N = self.xp.zeros_like(st.template)
+
+    def _adjoint_solve(self, st, bwd):
+        """MGRIT (or the exact hand-off) backward in layer index from lambda_N: st.lam[n] is the
+        adjoint at forward index n; st.finish completes the message that brings lambda at the
+        next rank's first index (needed by the last owned layer only)."""
+        solver = st.solver
+        solver.prop.reset(st.U, st.D)
+        solver.prop.derivs, solver.prop.d0 = st.derivs, st.owned.start
+        self._refresh_replica(solver, st.derivs)
+        adj = solver.solve(st.lam_N)
+        st.add(adj)
+        if bwd is not None:
+            st.stats["adjoint"] = {"residuals": list(adj.residuals),
+                                   "iterations": adj.iterations, "converged": adj.converged}
+        st.adj_store = adj.store
+        st.lam = _Reversed(adj.states)  # lam[n] = adjoint at forward index n (owned entries)
+        # its message overlaps the parameter gradients of all the other layers
+        st.finish = self._exchange_adjoint_halo(st.lam, st.timings)
+
+    def _parameter_gradients(self, st):
+        """dL/dtheta_n of the owned layers from U and lambda: every layer whose adjoint is here
+        (all but the last one unless lambda at index hi is here too), then, after the halo, the
+        last one; the steps' reduction starts as soon as they are done."""
+        m, bk, N = self.model, self.bk, self.model.n_layers
+        owned, lam, D, grads, finish = st.owned, st.lam, st.D, st.grads, st.finish
+        lo, hi = owned.start, owned.stop
+        steps = st.steps
+        gW, gb = grads.get("steps.weight"), grads.get("steps.bias")
+        t0 = time.perf_counter()
+        n_ready = len(owned) if lam[hi] is not None else max(len(owned) - 1, 0)
+        ready, rest = owned[:n_ready], owned[n_ready:]
+        if st.layered and st.adj_store is not None:  # cotangents from the store, then the halo's
+            L, a_l = st.adj_store
+            waited = [0.0]
+
+            def halo_part():  # called after the ready steps' cotangents: the wait overlaps them
+                t1 = time.perf_counter()
+                finish()
+                waited[0] += time.perf_counter() - t1
+                return lam[hi][None], 0, 0, len(rest)
+            parts = [(L, N - lo - a_l, -1, n_ready)] + ([halo_part] if rest else [])
+            m.step.vjp_params_stacked_layers(steps, parts, D, bk, self.ctx,
+                                             grads.group(m.step_prefix), self._reused)
+            t0 += waited[0]  # the wait is halo time, not step time
+            groups = ()
+        elif st.stacked and st.adj_store is not None:
+            L, a_l = st.adj_store  # lam at forward n + 1 = adjoint point N - n - 1: slot N - n - a_l
+            Uf, a_f = st.store
+            m.step.vjp_params_stacked(L, N - lo - a_l, -1, st.derivs, Uf, lo - a_f + 1,
+                                      n_ready, lo, m.dtype.type(m.h), gW, gb, bk)
+            groups = (rest,)
+        else:
+            groups = (ready, rest)
+        G = grads.group(m.step_prefix)
+        U = st.U
+        for group in groups:
+            if group is rest:
+                t1 = time.perf_counter()
+                finish()
+                t0 += time.perf_counter() - t1  # the wait is halo time, not step time
+            if len(group) and m.step.fused:
+                m.step.vjp_params_batched([U[n] for n in group], m.h,
+                                          [lam[n + 1] for n in group], [D[n] for n in group],
+                                          list(group), gW, gb, bk)
+        if not m.step.fused and groups:  # one call over the owned steps (a GEMM each)
+            m.step.vjp_params_steps(steps, owned, U, D, lam, m.dtype.type(m.h), bk, self.ctx, G)
+        st.timings["steps"] += time.perf_counter() - t0
+        finish()
+        names = [f"{m.step_prefix}.{k}" for k in G]
+        if m.step.shared:  # every layer rank holds a part of the sum over the steps
+            st.buckets.start_all(names)
+        else:
+            st.buckets.start_rows(names, lo, hi)
+
+    def _opening_and_reductions(self, st):
+        """The opening layer's vjp on the first layer rank, then the gradient reductions over
+        the replicas and the loss over the layer ranks; st.stats (with the step's timings)
+        becomes :attr:`stats`."""
+        m, grads, timings = self.model, st.grads, st.timings
+        if self.layout.first:
+            _, go = m.opening.vjp(m.group("opening"), st.x, st.d_open, st.lam[0], self.bk)
+            for k, v in go.items():
+                grads[f"opening.{k}"][...] = v
+            if go:
+                st.buckets.start("opening.weight", "opening.bias")
+        t0 = time.perf_counter()
+        st.buckets.wait()
+        comm = self.layout.comm
+        st.loss = st.loss_part if comm is None else comm.allreduce(st.loss_part)
+        timings["allreduce"] += time.perf_counter() - t0 + self._replica_seconds
+        timings["total"] = time.perf_counter() - st.t_start
+        sync = self.ctx.replicas
+        if sync is not None:  # inside "steps": the BN statistics' allgathers
+            timings["bn_sync"] = sync.seconds
+        timings["other"] = timings["total"] - timings["steps"] - timings["vector"] \
+            - timings["halo_wait"] - timings["allreduce"] - timings["staging"]
+        st.stats["timings"] = timings
+        st.stats["mpi_path"] = getattr(st.solver.halo, "path", "host")
+        self.stats = st.stats
+
+    # ------------------------------------- exact propagation (one process: the serial sweep)
+    def _serial_loss_and_grad(self, x, y, out=None):
+        m, bk = self.model, self.bk
+        logits, (d_open, U, D, c_close) = self._forward(x, store=True)
+        loss, g = m.loss.forward_grad(logits, y, bk)
+        grads = m.params.zeros_like() if out is None else out  # every entry is written below
+        lam, gc = m.closing.vjp(m.group("closing"), U[-1], c_close, g, bk)
+        steps = m.step_params()
+        if m.step.fused:
+            lam = m.step.sweep_backward(steps["weight"], steps["bias"], U, D, m.h, lam,
+                                        grads["steps.weight"], grads["steps.bias"], bk)
+        else:  # state vjps layer after layer, then every parameter gradient in one call
+            G = grads.group(m.step_prefix)
+            sweep = getattr(m.step, "sweep_backward_layers", None)  # or one call for it all
+            lam0 = None if sweep is None else sweep(steps, U, D, lam, m.h, bk, self.ctx, G)
+            if lam0 is None and isinstance(m.step, ComposedStep) and not m.step.shared:
+                for n in range(m.n_layers - 1, -1, -1):  # state and parameter vjps in one pass
+                    lam = m.step.vjp_layer(steps, n, U[n], D[n], lam, m.h, bk, self.ctx, G)
+                lam0 = lam
+            if lam0 is None:
+                lams = [None] * m.n_layers + [lam]
+                for n in range(m.n_layers - 1, -1, -1):
+                    lams[n] = m.step.vjp_state_layer(steps, n, D[n], lams[n + 1], m.h, bk,
+                                                     self.ctx)
+                m.step.vjp_params_steps(steps, range(m.n_layers), U, D, lams, m.h, bk,
+                                        self.ctx, G)
+                lam0 = lams[0]
+            lam = lam0
+            self._commit_buffers(range(m.n_layers), D)
+        _, go = m.opening.vjp(m.group("opening"), x, d_open, lam, bk)
+        for prefix, gd in (("opening", go), ("closing", gc)):
+            for k, v in gd.items():
+                grads[f"{prefix}.{k}"][...] = v
+        self.stats = _exact_stats()
+        return loss, grads
+
+    def _serial_states(self, u0, store):
+        """Layer after layer: U (N+1, B, ...) and, if ``store``, D: the linearisation caches
+        (fused kinds: sigma'(z_n) as one (N, B, ...) array; composed: a list)."""
+        m, kind, ctx = self.model, self.model.step, self.ctx
+        steps = m.step_params()
+        # the stores are kept across calls (per shape): a fresh (N+1) B C H W array each step
+        # costs its page faults (~7 ms of a 100 ms conv step at C 16, N 16, B 32)
+        U = self._reused("serial_U", (m.n_layers + 1,) + u0.shape, m.dtype)
+        U[0] = u0
+        if kind.fused:
+            D = self._reused("serial_D", (m.n_layers if store else 0,) + u0.shape, m.dtype)
+            kind.sweep_forward(steps["weight"], steps["bias"], U, m.h, D, self.bk)
+            return U, D
+        sweep = getattr(kind, "sweep_forward_layers", None)  # one call for the whole sequence
+        D = None if sweep is None else sweep(steps, U, m.h, store, self.bk, ctx)
+        if D is not None:
+            return U, D
+        D = [None] * m.n_layers
+        for n in range(m.n_layers):
+            if store:
+                U[n + 1], D[n] = kind.forward_linearize(steps, n, U[n], m.h, self.bk, ctx)
+            else:
+                U[n + 1] = kind.forward_layer(steps, n, U[n], m.h, self.bk, ctx)
+        return U, D
+
+    def _forward(self, x, store):
+        m, bk = self.model, self.bk
+        u0, d_open = m.opening.forward(m.group("opening"), x, bk)
+        U, D = self._serial_states(u0, store)
+        logits, c_close = m.closing.forward(m.group("closing"), U[-1], bk)
+        return logits, (d_open, U, D, c_close)
+
+    def _distributed_forward(self, x, opts, guess=None):
+        """(MGRITResult of the forward solve, opening's sigma' or None): states on their owners."""
+        m, bk, lay = self.model, self.bk, self.layout
+        if lay.first:
+            u0, d_open = m.opening.forward(m.group("opening"), x, bk)
+        else:
+            # a template only (the owner's values are used): zeros, kept per shape
+            u0, d_open = self._reused("zeros", m.step.state_shape(x.shape[0]), m.dtype), None
+        solver = self._solver("forward", opts)
+        self._refresh_replica(solver)
+        res = solver.solve(u0, guess)
+        return res, d_open
+
+    # -------------------------------------------------------------------- the gradient guard
     def _guarded_loss_and_grad(self, x, y, out):
         """One training step under the gradient guard (:mod:`mgnn.guard`): MGRIT as configured,
         checked against the exact gradient when the guard asks; iterate further or fall back.
@@ -1347,6 +733,31 @@ class LayerParallel:
                            time.perf_counter() - t_check, error, stats)
         return ex_loss, grads
 
+    def _exact_loss_and_grad(self, x, y, out):
+        """The exact loss and gradient (layer after layer; across ranks the sequential
+        hand-off)."""
+        if self.layout.size == 1:
+            return self._serial_loss_and_grad(x, y, out)
+        return self._general_loss_and_grad(x, y, out, (None, None))
+
+    def _compare(self, grads, exact):
+        """(relative error |grads - exact| / |exact|, cosine) over every parameter of the model
+        (one collective over the layer ranks: the same numbers on every rank)."""
+        lay = self.layout
+        g, e = grads.flat, exact.flat
+        if lay.size > 1:
+            g, e = g[self.owned], e[self.owned]
+        g, e = g.astype(np.float64), e.astype(np.float64)
+        d = g - e
+        sums = [float((d * d).sum()), float((g * e).sum()), float((g * g).sum()),
+                float((e * e).sum())]
+        if lay.layer_comm is not None:  # (an array: a list's "sum" would concatenate)
+            sums = lay.layer_comm.allreduce(np.array(sums)).tolist()
+        tiny = np.finfo(np.float64).tiny
+        ne = math.sqrt(sums[3])
+        return (math.sqrt(sums[0]) / max(ne, tiny),
+                sums[1] / max(math.sqrt(sums[2]) * ne, tiny))
+
     def _try_base_options(self, x, y, exact, before, guess):
         """At a passing check under the escalated options: the configured options on the same
         batch (from the warm start the step began with), into scratch buffers. Returns (text for
@@ -1412,194 +823,30 @@ class LayerParallel:
         if "timings" in st:
             st["timings"]["guard"] = seconds
 
-    def _general_step(self, x, y, out, fwd, bwd):
-        t_start = time.perf_counter()
-        m, bk, lay = self.model, self.bk, self.layout
-        N = m.n_layers
-        timings = {"steps": 0.0, "vector": 0.0, "halo_wait": 0.0, "recv_wait": 0.0,
-                   "halo_total": 0.0, "allreduce": 0.0, "staging": 0.0}
-        sync = self.ctx.replicas
-        if sync is not None:
-            sync.seconds = 0.0
-
-        def add(res):
-            for k in timings:
-                timings[k] += res.timings.get(k, 0.0)
-
-        batch = x.shape[0]
-        total_batch = batch if lay.data_comm is None else lay.data_comm.allreduce(batch)
-        scale = m.dtype.type(batch / total_batch)
-        stats = _exact_stats()
-        guess = None
-        prev = self._previous_states
-        if self.warm_start and prev is not None and prev[1] == batch:
-            guess = prev[0].__getitem__
-        steps = m.step_params()
-        W, b = steps.get("weight"), steps.get("bias")
-        self._replica_seconds = 0.0
-        res, d_open = self._distributed_forward(x, fwd or self._serial_opts, guess)
-        add(res)
-        if fwd is not None:
-            stats["forward"] = {"residuals": list(res.residuals), "iterations": res.iterations,
-                                "converged": res.converged}
-            if self.warm_start:
-                self._previous_states = (res.states, batch)
-        U = res.states
-        owned = self.layers
-        lo, hi = owned.start, owned.stop
-        # stacked: sigma' and parameter gradients read straight from the solvers' stores (one
-        # call each, no per-layer Python, no pointer arrays); else the batched list forms
-        stacked = res.store is not None and _has_stacked_grads(bk)
-        t0 = time.perf_counter()
-        template = U[lo] if len(owned) else U[N]
-        # the linearisation caches D[n] of the owned layers at the final forward states:
-        # composed kinds one per layer; fused kinds sigma' of layer n in row n - lo of derivs
-        derivs = None
-        solver = self._solver("adjoint", bwd or self._serial_opts)
-        layered = not m.step.fused and solver.prop._layered
-        if layered:  # recurrent kinds: every owned step's caches in one call, from the store
-            if res.store is not None:
-                Uf, first = res.store[0], lo - res.store[1] + 1
-            else:  # the forward ran on the list engine: its states stacked once
-                Uf, first = self.xp.stack([U[n] for n in owned] or [template]), 0
-            D = m.step.linearize_stacked(steps, Uf, first, len(owned), lo, bk, self.ctx,
-                                         self._reused)
-        elif not m.step.fused:
-            D = [None] * N
-            for n in owned:
-                D[n] = m.step.linearize(steps, n, U[n], bk, self.ctx)
-            self._commit_buffers(owned, D)
-        elif stacked:
-            derivs = self._reused("derivs", (len(owned),) + template.shape, template.dtype)
-            Uf, a_f = res.store  # state n in slot n - a_f + 1
-            m.step.deriv_stacked(W, b, Uf, lo - a_f + 1, len(owned), lo, derivs, bk)
-            D = _Rows(derivs, lo)
-        else:
-            derivs = self._reused("derivs", (len(owned),) + template.shape, template.dtype)
-            D = [None] * N
-            for k, d in enumerate(m.step.deriv_batched(W, b, [U[n] for n in owned],
-                                                       list(owned), bk)):
-                derivs[k] = d
-                D[owned[k]] = derivs[k]
-        timings["steps"] += time.perf_counter() - t0
-        if out is None:
-            grads = ParamDict.allocate(m.params.shapes(), m.dtype, self.xp)
-        else:
-            grads = self._zero_unowned(out)
-        buckets = _Buckets(lay.data_comm, grads, lay.comm)
-        loss_part = 0.0
-        if lay.last:
-            logits, c_close = m.closing.forward(m.group("closing"), U[N], bk)
-            loss, g = m.loss.forward_grad(logits, y, bk)
-            loss_part = loss * batch / total_batch
-            g *= scale
-            lam_N, gc = m.closing.vjp(m.group("closing"), U[N], c_close, g, bk)
-            for k, v in gc.items():
-                grads[f"closing.{k}"][...] = v
-            buckets.start("closing.weight", "closing.bias")
-        elif stacked:  # the stacked engine copies u0 into its store: a cached zero serves
-            lam_N = self._reused("zeros", template.shape, template.dtype)
-        else:
-            lam_N = self.xp.zeros_like(template)
-        solver.prop.reset(U, D)
-        solver.prop.derivs, solver.prop.d0 = derivs, lo
-        self._refresh_replica(solver, derivs)
-        adj = solver.solve(lam_N)
-        add(adj)
-        if bwd is not None:
-            stats["adjoint"] = {"residuals": list(adj.residuals), "iterations": adj.iterations,
-                                "converged": adj.converged}
-        lam = _Reversed(adj.states)  # lam[n] = adjoint at forward index n (owned entries)
-        # lam at the next rank's first index is needed only by the last owned layer: its
-        # message overlaps the parameter gradients of all the other layers
-        finish = self._exchange_adjoint_halo(lam, timings)
-        gW, gb = grads.get("steps.weight"), grads.get("steps.bias")
-        t0 = time.perf_counter()
-        # every layer whose adjoint is here (a prefix of the owned layers: all but the last
-        # one unless lam at index hi is here too), then (after the halo) the last layer
-        n_ready = len(owned) if lam[hi] is not None else max(len(owned) - 1, 0)
-        ready, rest = owned[:n_ready], owned[n_ready:]
-        if layered and adj.store is not None:  # cotangents from the store, then the halo's
-            L, a_l = adj.store
-            waited = [0.0]
-
-            def halo_part():  # called after the ready steps' cotangents: the wait overlaps them
-                t1 = time.perf_counter()
-                finish()
-                waited[0] += time.perf_counter() - t1
-                return lam[hi][None], 0, 0, len(rest)
-            parts = [(L, N - lo - a_l, -1, n_ready)] + ([halo_part] if rest else [])
-            m.step.vjp_params_stacked_layers(steps, parts, D, bk, self.ctx,
-                                             grads.group(m.step_prefix), self._reused)
-            t0 += waited[0]  # the wait is halo time, not step time
-            groups = ()
-        elif stacked and adj.store is not None:
-            L, a_l = adj.store  # lam at forward n + 1 = adjoint point N - n - 1: slot N - n - a_l
-            m.step.vjp_params_stacked(L, N - lo - a_l, -1, derivs, res.store[0], lo - a_f + 1,
-                                      n_ready, lo, m.dtype.type(m.h), gW, gb, bk)
-            groups = (rest,)
-        else:
-            groups = (ready, rest)
-        G = grads.group(m.step_prefix)
-        for group in groups:
-            if group is rest:
-                t1 = time.perf_counter()
-                finish()
-                t0 += time.perf_counter() - t1  # the wait is halo time, not step time
-            if len(group) and m.step.fused:
-                m.step.vjp_params_batched([U[n] for n in group], m.h,
-                                          [lam[n + 1] for n in group], [D[n] for n in group],
-                                          list(group), gW, gb, bk)
-        if not m.step.fused and groups:  # one call over the owned steps (a GEMM each)
-            m.step.vjp_params_steps(steps, owned, U, D, lam, m.dtype.type(m.h), bk, self.ctx, G)
-        timings["steps"] += time.perf_counter() - t0
-        finish()
-        names = [f"{m.step_prefix}.{k}" for k in G]
-        if m.step.shared:  # every layer rank holds a part of the sum over the steps
-            buckets.start_all(names)
-        else:
-            buckets.start_rows(names, lo, hi)
-        if lay.first:
-            _, go = m.opening.vjp(m.group("opening"), x, d_open, lam[0], bk)
-            for k, v in go.items():
-                grads[f"opening.{k}"][...] = v
-            if go:
-                buckets.start("opening.weight", "opening.bias")
-        t0 = time.perf_counter()
-        buckets.wait()
-        loss = loss_part if lay.comm is None else lay.comm.allreduce(loss_part)
-        timings["allreduce"] += time.perf_counter() - t0 + self._replica_seconds
-        timings["total"] = time.perf_counter() - t_start
-        if sync is not None:  # inside "steps": the BN statistics' allgathers
-            timings["bn_sync"] = sync.seconds
-        timings["other"] = timings["total"] - timings["steps"] - timings["vector"] \
-            - timings["halo_wait"] - timings["allreduce"] - timings["staging"]
-        stats["timings"] = timings
-        stats["mpi_path"] = getattr(solver.halo, "path", "host")
-        self.stats = stats
-        return float(loss), grads
-
-    def _zero_unowned(self, grads):
-        """Zero the entries of ``grads`` this rank does not compute (none on a single rank;
-        see :meth:`_rows`); returns ``grads``."""
-        for k, v in grads.items():
-            computed = self._rows(k)[0]
-            if computed is None:
-                v[...] = 0
-            elif computed != slice(None):
-                v[:computed.start] = 0
-                v[computed.stop:] = 0
-        return grads
-
-    def _reused(self, name, shape, dtype):
-        """An array of this backend kept per (name, shape, dtype) across calls: 'zeros' arrays
-        are all-zero and only read (templates, a zero lam_N); others are scratch."""
-        key = (name, tuple(shape), np.dtype(dtype).str)
-        a = self._arrays.get(key)
-        if a is None:
-            make = self.xp.zeros if name == "zeros" else self.xp.empty
-            a = self._arrays[key] = make(tuple(shape), dtype=dtype)
-        return a
+    # ----------------------------------- the step's parts: solvers, replicas, halos, buffers
+    def _solver(self, kind, opts):
+        """The cached solver for 'forward' or 'adjoint' propagation under ``opts`` (built once:
+        construction duplicates the layer communicator)."""
+        key = (kind, id(opts))  # opts are this object's own, alive as long as it is
+        if key not in self._solvers:
+            lay, m = self.layout, self.model
+            spatial = {} if not self.spatial else dict(
+                spatial_levels=self.spatial[0], interp=self.spatial[1], restrict=self.spatial[2])
+            if kind == "forward":
+                cls = SpatialForwardPropagator if spatial else ForwardPropagator
+                prop, part = cls(m, self.bk, self.ctx, **spatial), self.partition
+            else:
+                cls = SpatialAdjointPropagator if spatial else AdjointPropagator
+                prop, part = (cls(m, None, None, self.bk, self.ctx, **spatial),
+                              self.adjoint_partition)
+            self._solvers[key] = MGRITSolver(prop, m.n_layers, opts, comm=lay.layer_comm,
+                                             partition=part, norm_comm=lay.comm,
+                                             abort_on_error=False, overlap=self.overlap,
+                                             ops=vector_ops(self.backend),
+                                             xp=None if self.xp is np else self.xp,
+                                             reuse_states=True, coarsest=self.coarsest,
+                                             capture=self.capture)
+        return self._solvers[key]
 
     def _refresh_replica(self, solver, derivs=None):
         """Before a solve with a redundant coarsest level: every rank gets the coarsest level's
@@ -1668,51 +915,153 @@ class LayerParallel:
 
         return finish
 
-    def gather(self, grads):
-        """Every entry of ``grads`` (a ParamDict from :meth:`loss_and_grad`) on every rank: a new
-        ParamDict (the entries of other ranks' layers are summed in from their owners)."""
-        out = grads.copy()
+    def _commit_buffers(self, layers, caches):
+        """Train mode: the running statistics of ``layers`` from their caches at the final
+        forward states (once per training step)."""
+        if self.ctx.training:
+            for n in layers:
+                self.model.step.commit_buffers(self.ctx.buffers, n, caches[n])
+
+    def _zero_unowned(self, grads):
+        """Zero the entries of ``grads`` this rank does not compute (none on a single rank;
+        see :meth:`_rows`); returns ``grads``."""
+        for k, v in grads.items():
+            computed = self._rows(k)[0]
+            if computed is None:
+                v[...] = 0
+            elif computed != slice(None):
+                v[:computed.start] = 0
+                v[computed.stop:] = 0
+        return grads
+
+    def _reused(self, name, shape, dtype):
+        """An array of this backend kept per (name, shape, dtype) across calls: 'zeros' arrays
+        are all-zero and only read (templates, a zero lam_N); others are scratch."""
+        key = (name, tuple(shape), np.dtype(dtype).str)
+        a = self._arrays.get(key)
+        if a is None:
+            make = self.xp.zeros if name == "zeros" else self.xp.empty
+            a = self._arrays[key] = make(tuple(shape), dtype=dtype)
+        return a
+
+    def _rows(self, name):
+        """(rows of parameter ``name`` this rank computes, rows it owns) as slices of the leading
+        axis, None for none: its own layers of per-layer step parameters; the opening on the
+        first and the closing on the last layer rank; weights shared by every step are computed
+        in part on every rank (their gradient is a sum over the steps) and owned by the first.
+        The one ownership table of :meth:`_owned_mask` and :meth:`_zero_unowned`."""
+        group, lay, m = name.split(".")[0], self.layout, self.model
+        whole = slice(None)
+        if group == m.step_prefix:
+            if m.step.shared:
+                return whole, (whole if lay.first else None)
+            own = slice(self.layers.start, self.layers.stop)
+            return own, own
+        mine = lay.first if group == "opening" else lay.last
+        return (whole, whole) if mine else (None, None)
+
+    def _owned_mask(self):
+        """Entries this rank owns (reports in :meth:`gather` / :meth:`gather_params`; see
+        :meth:`_rows`) as a boolean mask of the flat buffer."""
+        mask = self.model.params.zeros_like()
+        for k, v in mask.items():
+            owned = self._rows(k)[1]
+            if owned is not None:
+                v[owned] = 1
+        return mask.flat.astype(bool)
+
+    # ---------------------------------------------------------------------------- validation
+    def _validated(self, x, y=None, out=None):
+        """Checked (x, y) (and the gradient buffer ``out`` if given); in a distributed run every
+        rank raises if any rank's input is bad (one collective, whatever each rank passed). Also
+        puts this model's thread counts back (another model of the process may have changed
+        them: they are process-wide)."""
+        apply_threads(self.threads)
+        err = None
+        try:
+            if out is not None:
+                self._check_out(out)
+            x = self._check_x(x)
+            if y is not None:
+                y = self._check_y(y, x.shape[0])
+        except (ValueError, TypeError) as exc:
+            err = exc
         lay = self.layout
-        if lay.layer_comm is not None and lay.layer_size > 1:
-            out.flat[~self.owned] = 0  # shared weights: every rank holds the sum, count it once
-            _allreduce_staged(lay.layer_comm, out.flat)
-        return out
+        batches = agree_on_errors(lay.comm, err, x.shape[0] if err is None else None)
+        L = lay.layer_size
+        for replica in range(lay.data_ranks):
+            mine = batches[replica * L:(replica + 1) * L]
+            if len(set(mine)) > 1:
+                raise ValueError(f"the layer ranks of replica {replica} passed batches of sizes "
+                                 f"{mine}; every layer rank of a replica must pass the same shard")
+        shards = [batches[r * L] for r in range(lay.data_ranks)]
+        if y is not None and self.model.training:  # the same check on every rank
+            stat_batches = [sum(shards)] if self.ctx.replicas is not None else shards
+            self.model.step.check_batch(min(stat_batches))
+        self.ctx.sample0 = sum(shards[:lay.replica])
+        return x, y
 
-    def grad_norm(self, grads):
-        """Collective over the layer ranks: the 2-norm of the whole gradient ``grads`` (from
-        :meth:`loss_and_grad`; every entry counted once, from its owner), the same float on
-        every rank (what gradient clipping needs)."""
-        xp, lay = self.xp, self.layout
-        sq = float(xp.sum(xp.where(self.owned, grads.flat, 0) ** 2))
-        if lay.layer_comm is not None and lay.layer_size > 1:
-            sq = lay.layer_comm.allreduce(sq)
-        return sq ** 0.5
-
-    def gather_buffers(self):
-        """The model's buffers (running statistics) as held by their layers' owners in replica
-        0, on every rank: a new 1-D array laid out like ``model.buffers.flat``."""
-        buf = self.model.buffers
-        xp, lay = self.xp, self.layout
-        lo, hi = self.layers.start, self.layers.stop
-        out = xp.zeros_like(buf.flat)
-        if lay.replica == 0:
-            for k in buf:
-                out[buf.offsets[k]:buf.offsets[k] + buf[k].size].reshape(buf[k].shape)[lo:hi] \
-                    = buf[k][lo:hi]
-        if lay.comm is not None and lay.size > 1:
-            _allreduce_staged(lay.comm, out)
-        return out
-
-    def gather_params(self, flat=None):
-        """The model's parameters (or another flat buffer laid out like them, e.g. optimizer
-        state) as held by their owners, on every rank: a new 1-D array."""
-        src = self.model.params.flat if flat is None else flat
+    def _as_array(self, a, what):
+        """``a`` as an array of this backend: NumPy for the CPU backends; for 'cuda' a CuPy array
+        (CuPy, ``__cuda_array_interface__`` and DLPack inputs without a copy, NumPy moved once)."""
         xp = self.xp
-        out = xp.where(self.owned, xp.asarray(src), 0).astype(src.dtype)
-        lay = self.layout
-        if lay.layer_comm is not None and lay.layer_size > 1:
-            _allreduce_staged(lay.layer_comm, out)
-        return out
+        if xp is np:
+            if not isinstance(a, np.ndarray):
+                raise TypeError(f"{what} must be a numpy array, got {type(a).__name__}")
+            return a
+        if isinstance(a, (xp.ndarray, np.ndarray)) or hasattr(a, "__cuda_array_interface__"):
+            return xp.asarray(a)
+        if hasattr(a, "__dlpack__"):
+            if _dlpack_on_host(a):  # cupy.from_dlpack refuses host memory: one copy over
+                return xp.asarray(np.from_dlpack(a))
+            return xp.from_dlpack(a)
+        raise TypeError(f"{what} must be an array (CuPy, NumPy, __cuda_array_interface__ or "
+                        f"DLPack), got {type(a).__name__}")
+
+    def _check_x(self, x):
+        m, xp = self.model, self.xp
+        x = self._as_array(x, "x")
+        if x.dtype != m.dtype:
+            raise TypeError(f"x has dtype {x.dtype} but the model is {m.dtype}; "
+                            "convert explicitly (mgnn never casts silently)")
+        want = m.input_shape()
+        if x.ndim != len(want) + 1 or x.shape[1:] != want or x.shape[0] < 1:
+            raise ValueError(f"x has shape {x.shape}, expected (B,) + {want} with B >= 1")
+        if not bool(xp.isfinite(x).all()):
+            raise ValueError(f"x contains {int(xp.count_nonzero(~xp.isfinite(x)))} non-finite "
+                             "values")
+        return xp.ascontiguousarray(x)
+
+    def _check_y(self, y, batch):
+        if self.xp is not np and hasattr(y, "shape"):
+            y = self._as_array(y, "y")
+        if not isinstance(y, (np.ndarray, self.xp.ndarray)) or \
+                not np.issubdtype(y.dtype, np.integer):
+            raise TypeError(f"y must be an integer array, got "
+                            f"{getattr(y, 'dtype', type(y).__name__)}")
+        if y.shape != (batch,):
+            raise ValueError(f"y has shape {y.shape}, expected ({batch},) to match x")
+        k = self.model.n_classes
+        bad = (y < 0) | (y >= k)
+        if bool(bad.any()):
+            raise ValueError(f"labels out of range [0, {k}): "
+                             f"{np.unique(to_host(y[bad]))[:10].tolist()}")
+        return self.xp.ascontiguousarray(y, dtype=np.int64)
+
+    def _check_out(self, out):
+        """``out`` of :meth:`loss_and_grad` must be a ParamDict laid out like model.params."""
+        p = self.model.params
+        if not isinstance(out, ParamDict):
+            raise TypeError(f"out must be a ParamDict (e.g. model.params.zeros_like()), got "
+                            f"{type(out).__name__}")
+        if getattr(out, "offsets", None) != p.offsets or out.shapes() != p.shapes():
+            raise ValueError(f"out has parameters {out.shapes()}, expected model.params' "
+                             f"{p.shapes()}")
+        if type(out.flat) is not type(p.flat) or out.flat.dtype != p.flat.dtype:
+            raise TypeError(f"out holds {type(out.flat).__name__} {out.flat.dtype}; expected "
+                            f"{type(p.flat).__name__} {p.flat.dtype} like model.params")
+        if out.flat is p.flat or (out.flat.base is not None and out.flat.base is p.flat.base):
+            raise ValueError("out is model.params itself; pass a separate gradient buffer")
 
 
 #: Work of the opening layer (first layer rank) and of the closing layer + loss (last layer rank)
@@ -1831,26 +1180,30 @@ def layer_work_model(n_layers, fwd, bwd, coarsest="redundant", level_cost=None):
     return work
 
 
-def _addresses(*arrays):
-    """The data addresses (and shapes) of host or device arrays."""
-    out = ()
-    for a in arrays:
-        ptr = getattr(a.data, "ptr", None)  # CuPy; NumPy's .data is a memoryview
-        out += (a.__array_interface__["data"][0] if ptr is None else ptr, a.shape)
-    return out
+class _Step:
+    """What one training step of :class:`LayerParallel` carries from phase to phase (forward
+    states, linearisation, adjoint, gradients, timings)."""
 
+    def __init__(self, lp, x, y, out):
+        self.t_start = time.perf_counter()
+        self.x, self.y, self.out = x, y, out
+        self.timings = {"steps": 0.0, "vector": 0.0, "halo_wait": 0.0, "recv_wait": 0.0,
+                        "halo_total": 0.0, "allreduce": 0.0, "staging": 0.0}
+        if lp.ctx.replicas is not None:
+            lp.ctx.replicas.seconds = 0.0
+        data_comm = lp.layout.data_comm
+        self.batch = x.shape[0]
+        self.total_batch = self.batch if data_comm is None else data_comm.allreduce(self.batch)
+        self.stats = _exact_stats()
+        self.steps = lp.model.step_params()
+        self.owned = lp.layers
+        self.derivs = None
+        self.loss_part = 0.0
 
-def _has_stacked(bk):
-    """Whether backend ``bk`` provides the stacked-state kernels (mgnn.backend.STACKED_KERNELS)."""
-    from .backend import STACKED_KERNELS
-    return bool(getattr(bk, "stacked_states", False)) and all(
-        callable(getattr(bk, k, None)) for k in STACKED_KERNELS)
-
-
-def _has_stacked_grads(bk):
-    """Whether ``bk`` has the stacked gradient kernels (mgnn.backend.STACKED_GRAD_KERNELS)."""
-    from .backend import STACKED_GRAD_KERNELS
-    return _has_stacked(bk) and all(callable(getattr(bk, k, None)) for k in STACKED_GRAD_KERNELS)
+    def add(self, result):
+        """Add an MGRIT result's timings to the step's."""
+        for k in self.timings:
+            self.timings[k] += result.timings.get(k, 0.0)
 
 
 class _Reversed:

@@ -87,7 +87,7 @@ def test_network_batched_and_stacked_equal_unbatched(kind, rng, monkeypatch):
     batching forced on (bit-identical: batching reorders independent steps only) and the stacked
     engine (one array per level, one kernel call per sweep; equal to round-off) give the same
     inexact (2/1 cycles) loss and gradients."""
-    from mgnn import network
+    from mgnn import propagators
     from mgnn.backend import numba_cpu
     m, xshape = _models(kind, 24)
     x, y = rng.standard_normal(xshape), rng.integers(0, 3, xshape[0])
@@ -96,7 +96,7 @@ def test_network_batched_and_stacked_equal_unbatched(kind, rng, monkeypatch):
     stacked = mgnn.LayerParallel(m, fwd, bwd, backend="numba")
     loss_s, g_s = stacked.loss_and_grad(x, y)
     assert stacked._solver("forward", fwd).engine.stacked
-    monkeypatch.setattr(network, "_has_stacked", lambda bk: False)
+    monkeypatch.setattr(propagators, "_has_stacked", lambda bk: False)
     loss0, g0 = mgnn.LayerParallel(m, fwd, bwd, backend="numba").loss_and_grad(x, y)
     monkeypatch.setattr(numba_cpu, "batched_relaxation", True)
     lp = mgnn.LayerParallel(m, fwd, bwd, backend="numba")
@@ -117,7 +117,7 @@ def test_spatial_stacked_forward_equals_the_list_engine(size, spatial, rng, monk
     the coarse shapes); at a fixed cycle budget (2/1 cycles: a wrong coarse correction would
     show) it equals the list engine to round-off, loss, gradients and residuals; batched waves
     on every level equal the list engine exactly."""
-    from mgnn import network
+    from mgnn import propagators
     m = mgnn.conv_resnet(1, 2, size, 3, 8, seed=3)
     x, y = rng.standard_normal((3, 1) + size), rng.integers(0, 3, 3)
     fwd = MGRITOptions(cf=2, max_levels=3, max_iter=2, tol=0.0, warn_not_converged=False)
@@ -125,7 +125,7 @@ def test_spatial_stacked_forward_equals_the_list_engine(size, spatial, rng, monk
     stacked = mgnn.LayerParallel(m, fwd, bwd, backend="numba", spatial_levels=spatial)
     loss_s, g_s = stacked.loss_and_grad(x, y)
     assert stacked._solver("forward", fwd).engine.stacked
-    monkeypatch.setattr(network, "_has_stacked", lambda bk: False)
+    monkeypatch.setattr(propagators, "_has_stacked", lambda bk: False)
     listed = mgnn.LayerParallel(m, fwd, bwd, backend="numba", spatial_levels=spatial)
     loss0, g0 = listed.loss_and_grad(x, y)
     assert not listed._solver("forward", fwd).engine.stacked
