@@ -6,8 +6,9 @@ under concurrent writers: a process that reads an index or data file while anoth
 fails with ``EOFError``/``UnpicklingError``, or, when the half-written file belongs to a callee,
 with a spurious ``TypingError`` from the caller's type inference. The dispatcher here catches those
 on a kernel's first compile, moves every mgnn kernel of this process to a private cache folder
-(``<NUMBA_CACHE_DIR>/pid-<pid>``), warns once, and compiles again. A genuine typing error fails
-the second compile as well and is raised as Numba raised it.
+(``<NUMBA_CACHE_DIR>/pid-<pid>``) and compiles again; if that succeeds it warns once (the shared
+cache was the problem). A genuine typing error fails the second compile as well and is raised as
+Numba raised it, without a warning.
 """
 import os
 import pickle
@@ -34,9 +35,9 @@ def private_cache_dir():
     return _private["dir"]
 
 
-def use_private_cache(reason):
+def use_private_cache():
     """Move every mgnn kernel of this process to ``<cache dir>/pid-<pid>`` (once; later calls
-    do nothing) and warn with ``reason``. Returns the folder, or None when caching is off."""
+    do nothing). Returns the folder."""
     if _private["dir"] is not None:
         return _private["dir"]
     base = config.CACHE_DIR or os.path.join(os.path.dirname(__file__), "__pycache__")
@@ -47,9 +48,6 @@ def use_private_cache(reason):
     for disp in _dispatchers:
         if disp._cache.__class__.__name__ != "NullCache":
             disp.enable_caching()  # a FunctionCache whose locator reads the new CACHE_DIR
-    warnings.warn(f"mgnn: Numba's kernel cache could not be read ({reason}); another process is "
-                  f"probably writing it. This process now caches its kernels in {path}.",
-                  CacheRaceWarning, stacklevel=3)
     return path
 
 
@@ -64,8 +62,13 @@ class RetryingDispatcher(CPUDispatcher):
             if _private["dir"] is not None:
                 raise  # already private: a genuine error
             first = exc
-        use_private_cache(f"{type(first).__name__} compiling {self.py_func.__qualname__}")
-        return super()._compile_for_args(*args, **kws)
+        path = use_private_cache()
+        result = super()._compile_for_args(*args, **kws)  # a genuine error raises here again
+        warnings.warn(f"mgnn: Numba's kernel cache could not be read ({type(first).__name__} "
+                      f"compiling {self.py_func.__qualname__}); another process is probably "
+                      f"writing it. This process now caches its kernels in {path}.",
+                      CacheRaceWarning, stacklevel=3)
+        return result
 
 
 def njit(*args, **options):

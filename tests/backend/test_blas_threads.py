@@ -51,9 +51,9 @@ def test_parallel_dense_drivers_run_with_one_blas_thread(two_blas_threads, monke
     seen = []
     drivers = {key: (_recording(seen, f"{key[0]} serial"), _recording(seen, f"{key[0]} par"))
                for key in nb._DRIVERS}
-    monkeypatch.setattr(nb, "_DRIVERS", drivers)
-    monkeypatch.setattr(nb, "_tape", _recording(seen, "tape serial"))
-    monkeypatch.setattr(nb, "_tape_par", _recording(seen, "tape par"))
+    monkeypatch.setattr(nb.stacked, "_DRIVERS", drivers)  # where the drivers are looked up
+    monkeypatch.setattr(nb.tapes, "_tape", _recording(seen, "tape serial"))
+    monkeypatch.setattr(nb.tapes, "_tape_par", _recording(seen, "tape par"))
     U = np.zeros((4, 2, 3), np.float32)
     idx, outs = np.array([[1, 1], [2, 1]]), np.zeros(0, np.int64)
     for kind in ("dense", "conv"):

@@ -1,0 +1,95 @@
+"""The stacked gradient kernels (:data:`mgnn.backend.STACKED_GRAD_KERNELS`): sigma' and the
+parameter gradients of every owned layer from the solvers' stores, one call each."""
+
+from ..blas_threads import one_blas_thread
+from .dense import WIDE, _dense_deriv, _dense_vjp_params, _wide
+from .dense import dense_deriv, dense_vjp_params  # noqa: F401 -- stacked_grad_loops' singles
+from .conv import _blocks, _conv_forward_all, _conv_vjp_all
+from .conv import conv_deriv, conv_vjp_params  # noqa: F401 -- stacked_grad_loops' singles
+from .activations import njit
+
+
+# ------------------------------------------------------------ stacked gradient kernels
+# Contract: mgnn.backend.numpy_ref (k_deriv_stacked, k_vjp_params_stacked). One njit call for
+# every layer, through the same per-layer code as the single kernels (bit-identical to them);
+# where a single dense kernel takes the NumPy route (WIDE / WIDE_TANH_F32) the layers loop here
+# over that single kernel instead, so the results stay bit-identical and fast.
+@njit(cache=True)
+def _dense_deriv_stacked(U, first, count, W, b, layer0, act, D):
+    for p in range(count):
+        D[p] = _dense_deriv(U[first + p], W[layer0 + p], b[layer0 + p], act)
+
+
+@njit(cache=True)
+def _dense_vjp_params_stacked(L, l_first, l_stride, D, U, u_first, count, layer0, h, gW, gb):
+    for p in range(count):
+        gWl, gbl = _dense_vjp_params(L[l_first + p * l_stride], D[p], U[u_first + p], h)
+        gW[layer0 + p] = gWl
+        gb[layer0 + p] = gbl
+
+
+@njit(cache=True)
+def _conv_deriv_stacked(U, first, count, K, b, layer0, act, D, nblk):
+    one = U.dtype.type(1)
+    H, Wd = U.shape[3], U.shape[4]
+    for p in range(count):
+        Kl = K[layer0 + p]
+        D[p] = _conv_forward_all(U[first + p], Kl.reshape((Kl.shape[0], Kl.shape[1] * 9)),
+                                 b[layer0 + p], one, act, False, False, True, 2, (H, Wd),
+                                 nblk)[1]
+
+
+@njit(cache=True)
+def _conv_vjp_params_stacked(L, l_first, l_stride, D, U, u_first, count, layer0, h, gK, gb,
+                             nblk):
+    H, Wd = U.shape[3], U.shape[4]
+    for p in range(count):
+        Kl = gK[layer0 + p]  # shape only: no input vjp
+        _, gKl, gbl = _conv_vjp_all(L[l_first + p * l_stride], D[p], U[u_first + p],
+                                    Kl.reshape((Kl.shape[0], Kl.shape[1] * 9)), h, False, False,
+                                    True, 2, (H, Wd), nblk)
+        gK[layer0 + p] = gKl.reshape(Kl.shape)
+        gb[layer0 + p] = gbl
+
+
+def _stacked_grads():
+    import sys
+    from ..numpy_ref import check_stacked_grads, stacked_grad_loops
+    loops = stacked_grad_loops(sys.modules[__name__])
+
+    def dense_deriv_stacked(U, first, count, W, b, layer0, act, D):
+        count = check_stacked_grads("dense", U, first, count, W, layer0, D, b)
+        if count and _wide(U.shape[1] * W.shape[1], U.dtype, act):
+            return loops["dense_deriv_stacked"](U, first, count, W, b, layer0, act, D)
+        _dense_deriv_stacked(U, first, count, W, b, layer0, act, D)
+
+    def dense_vjp_params_stacked(L, l_first, l_stride, D, U, u_first, count, layer0, h, gW, gb):
+        count = check_stacked_grads("dense", U, u_first, count, gW, layer0, D, gb, L, l_first,
+                                    l_stride)
+        args = (L, l_first, l_stride, D, U, u_first, count, layer0, U.dtype.type(h), gW, gb)
+        if count and U[0].size >= WIDE:
+            return loops["dense_vjp_params_stacked"](*args)
+        _dense_vjp_params_stacked(*args)
+
+    def conv_deriv_stacked(U, first, count, K, b, layer0, act, D):
+        count = check_stacked_grads("conv", U, first, count, K, layer0, D, b)
+        with one_blas_thread():
+            _conv_deriv_stacked(U, first, count, K, b, layer0, act, D, _blocks())
+
+    def conv_vjp_params_stacked(L, l_first, l_stride, D, U, u_first, count, layer0, h, gK, gb):
+        count = check_stacked_grads("conv", U, u_first, count, gK, layer0, D, gb, L, l_first,
+                                    l_stride)
+        with one_blas_thread():
+            _conv_vjp_params_stacked(L, l_first, l_stride, D, U, u_first, count, layer0,
+                                     U.dtype.type(h), gK, gb, _blocks())
+
+    fns = {}
+    for fn in (dense_deriv_stacked, dense_vjp_params_stacked, conv_deriv_stacked,
+               conv_vjp_params_stacked):
+        fn.__doc__ = ("Numba kernel, one call for every layer; contract of "
+                      ":data:`mgnn.backend.STACKED_GRAD_KERNELS`.")
+        fns[fn.__name__] = fn
+    return fns
+
+
+globals().update(_stacked_grads())

@@ -1,0 +1,250 @@
+"""Captured MGRIT cycles: one call runs a whole recorded cycle (:mod:`mgnn.backend.tape`) through
+the chain bodies of :mod:`.stacked`."""
+
+import numpy as np
+import numba
+from numba import prange
+
+from .. import tape as _T
+from .stacked import (_call_driver, _conv_adj_chain, _conv_adj_shared, _conv_fwd_chain,
+                      _conv_fwd_shared, _conv_scratch, _dense_adj_chain, _dense_adj_shared,
+                      _dense_fwd_chain, _dense_fwd_shared)
+from .activations import njit, overload
+
+
+# ------------------------------------------------------------ captured cycles (tapes)
+# Layout: mgnn.backend.tape. One call runs a whole captured MGRIT cycle through the chain bodies
+# above (the same per-step code as the stacked kernels: bit-identical to the engine's calls).
+def _tape_body(U, G, has_g, R, W, P, d0, first, n, o, l0, ls, h, act, mode, a, b, adjoint):
+    """The chain body of U's kind (dense: 3-d stores, conv: 5-d), forward (P = b) or adjoint
+    (P = sigma', as many dimensions as the stores)."""
+
+
+@overload(_tape_body)
+def _tape_body_impl(U, G, has_g, R, W, P, d0, first, n, o, l0, ls, h, act, mode, a, b,
+                    adjoint):
+    # forward: P = b (N, c); adjoint: P = sigma' (layers, *state)
+    body = {(3, False): _dense_fwd_chain, (3, True): _dense_adj_chain,
+            (5, False): _conv_fwd_chain, (5, True): _conv_adj_chain}[U.ndim, P.ndim > 2]
+
+    def impl(U, G, has_g, R, W, P, d0, first, n, o, l0, ls, h, act, mode, a, b, adjoint):
+        return body(U, G, has_g, R, W, P, d0, first, n, o, l0, ls, h, act, mode, a, b)
+    return impl
+
+
+def _tape_shared(U, G, has_g, W, P, d0, i, l0, ls, h, h2, act, a, b, p):
+    """The shared step into slot i of U and the coarse step out of U[i - 1] into p."""
+
+
+@overload(_tape_shared)
+def _tape_shared_impl(U, G, has_g, W, P, d0, i, l0, ls, h, h2, act, a, b, p):
+    if U.ndim == 3 and P.ndim == 2:
+        return lambda U, G, has_g, W, P, d0, i, l0, ls, h, h2, act, a, b, p: _dense_fwd_shared(
+            U[i - 1], W[l0 + i * ls], P[l0 + i * ls], h, h2, act, a, U[i], G[i], has_g, p)
+    if U.ndim == 3:
+        return lambda U, G, has_g, W, P, d0, i, l0, ls, h, h2, act, a, b, p: _dense_adj_shared(
+            U[i - 1], W[l0 + i * ls], P[l0 + i * ls - d0], h, h2, a, b, U[i], G[i], has_g, p)
+    if P.ndim == 2:
+        return lambda U, G, has_g, W, P, d0, i, l0, ls, h, h2, act, a, b, p: _conv_fwd_shared(
+            U[i - 1], W[l0 + i * ls], P[l0 + i * ls], h, h2, act, a, b, U[i], G[i], has_g, p)
+    return lambda U, G, has_g, W, P, d0, i, l0, ls, h, h2, act, a, b, p: _conv_adj_shared(
+        U[i - 1], W[l0 + i * ls], P[l0 + i * ls - d0], h, h2, a, b, U[i], G[i], has_g, p)
+
+
+def _tape_scratch(U):
+    """Scratch of one chain body for stores like U (any mode, forward or adjoint)."""
+
+
+@overload(_tape_scratch)
+def _tape_scratch_impl(U):
+    if U.ndim == 3:
+        return lambda U: (np.empty(U.shape[1:], dtype=U.dtype),
+                          np.empty(U.shape[1:], dtype=U.dtype))
+    return lambda U: _conv_scratch(U, 0)
+
+
+@njit(cache=True)
+def _correct_into(u, uc, v):
+    """u = u + (uc - v), elementwise (the states flattened)."""
+    for e in range(u.size):
+        u[e] = u[e] + (uc[e] - v[e])
+
+
+@njit(cache=True)
+def _correct_self(u, uc):
+    """u = u + (uc - u), elementwise: the correction whose injected state is u itself."""
+    for e in range(u.size):
+        u[e] = u[e] + (uc[e] - u[e])
+
+
+@njit(cache=True)
+def _copy_into(dst, src):
+    for e in range(dst.size):
+        dst[e] = src[e]
+
+
+@njit(cache=True)
+def _inject_into(S, r, g, out, src):
+    """Copy the state ``src`` (flat) into ``S[r][out]`` and, where ``g >= 0``, ``S[g][out]``."""
+    _copy_into(S[r][out].reshape(-1), src)
+    if g >= 0:
+        _copy_into(S[g][out].reshape(-1), src)
+
+
+@njit(cache=True)
+def _tape_carried(S, row, part):
+    """The correction (part 1) or injection (part 2) a CHAIN row carries (mgnn.backend.tape)."""
+    U = S[row[_T.U]]
+    if part == 1 and row[_T.CORR_SLOT] >= 0:
+        u = U[row[_T.CORR_SLOT]].reshape(-1)
+        uc = S[row[_T.CORR_G]][row[_T.CORR_OUT]].reshape(-1)
+        if row[_T.CORR_R] >= 0:
+            _correct_into(u, uc, S[row[_T.CORR_R]][row[_T.CORR_OUT]].reshape(-1))
+        else:  # v is u's own bits (read_sources); a loop of its own, as u aliasing v would
+            _correct_self(u, uc)  # fail the vectorised loop's overlap check
+    elif part == 2 and row[_T.INJ_SLOT] >= 0:
+        _inject_into(S, row[_T.INJ_R], row[_T.INJ_G], row[_T.INJ_OUT],
+                     U[row[_T.INJ_SLOT]].reshape(-1))
+
+
+@njit(cache=True)
+def _tape_row(S, row, hs, W, P, d0, act, adjoint, a, b, p, steps_only=False):
+    """Run one tape row (mgnn.backend.tape); returns the squared norm of a residual point.
+    A CHAIN row runs what it carries first, unless ``steps_only`` (the threaded driver ran it)."""
+    op, U = row[_T.OP], S[row[_T.U]]
+    if op == _T.CHAIN and not steps_only:
+        _tape_carried(S, row, 1)
+        _tape_carried(S, row, 2)
+    if op == _T.CHAIN or op == _T.POINT:
+        has_g = row[_T.G] >= 0
+        G = S[row[_T.G]] if has_g else U
+        R = S[row[_T.R]] if row[_T.R] >= 0 else U
+        l0, ls, h = row[_T.LAYER0], row[_T.LSTEP], hs[row[_T.H]]
+        if op == _T.POINT:
+            return _tape_body(U, G, has_g, R, W, P, d0, row[_T.FIRST], 1, row[_T.OUT], l0, ls,
+                              h, act, row[_T.MODE], a, b, adjoint)
+        first, n = row[_T.FIRST], row[_T.N]
+        share = row[_T.SHARE_R] >= 0
+        if share:  # the first step also gives the coarse step out of U[first - 1] (into p)
+            _tape_shared(U, G, has_g, W, P, d0, first, l0, ls, h, hs[row[_T.SHARE_H]], act, a,
+                         b, p)
+            first, n = first + 1, n - 1
+        _tape_body(U, G, has_g, U, W, P, d0, first, n, -1, l0, ls, h, act, 2, a, b, adjoint)
+        t = 0.0
+        if row[_T.R] >= 0:  # the chain's tail point: the step into the slot after it into R[OUT]
+            t = _tape_body(U, G, has_g, R, W, P, d0, first + n, 1, row[_T.OUT], l0, ls, h, act,
+                           row[_T.MODE], a, b, adjoint)
+        if share:  # the coarse FAS right-hand side: (Rc[o] + Vc[j]) - p
+            o = S[row[_T.SHARE_R]][row[_T.SHARE_OUT]].reshape(-1)
+            u = S[row[_T.SHARE_U]][row[_T.SHARE_SLOT]].reshape(-1)
+            pf = p.reshape(-1)
+            for e in range(o.size):
+                o[e] = (o[e] + u[e]) - pf[e]
+        return t
+    R, first, stride, out = S[row[_T.R]], row[_T.FIRST], row[_T.N], row[_T.OUT]
+    if op == _T.INJECT:
+        for q in range(row[_T.LEN]):
+            _inject_into(S, row[_T.R], row[_T.G], out + q, U[first + q * stride].reshape(-1))
+    elif op == _T.COPY:
+        _copy_into(R.reshape(-1), U.reshape(-1))
+    elif op == _T.CORRECT:
+        Uc = S[row[_T.G]]
+        for q in range(row[_T.LEN]):
+            _correct_into(U[first + q * stride].reshape(-1), Uc[out + q].reshape(-1),
+                          R[out + q].reshape(-1))
+    return 0.0
+
+
+@njit(cache=True)
+def _tape(S, ops, hs, W, P, d0, act, adjoint, norms):
+    a, b = _tape_scratch(S[0])
+    p = np.empty(S[0].shape[1:], dtype=S[0].dtype)
+    k = 0
+    while k < ops.shape[0]:
+        if ops[k, _T.ZIP] != 1:
+            _tape_norm(S, ops[k], hs, W, P, d0, act, adjoint, a, b, p, norms)
+            k += 1
+            continue
+        run = ops[k, _T.RUN]
+        for q in range(run):  # a zipped call: its rows in pairs with the next call's
+            _tape_norm(S, ops[k + q], hs, W, P, d0, act, adjoint, a, b, p, norms)
+            _tape_norm(S, ops[k + run + q], hs, W, P, d0, act, adjoint, a, b, p, norms)
+        k += 2 * run
+
+
+@njit(cache=True)
+def _tape_norm(S, row, hs, W, P, d0, act, adjoint, a, b, p, norms):
+    """Run one row (serial driver), its residual norm added into ``norms``."""
+    t = _tape_row(S, row, hs, W, P, d0, act, adjoint, a, b, p)
+    if row[_T.NORM] >= 0:
+        norms[row[_T.NORM]] += t
+
+
+@njit(cache=True, parallel=True)
+def _tape_par(S, ops, hs, W, P, d0, act, adjoint, norms):
+    a, b = _tape_scratch(S[0])
+    p = np.empty(S[0].shape[1:], dtype=S[0].dtype)
+    k = 0
+    while k < ops.shape[0]:
+        run = ops[k, _T.RUN]
+        if run > 1 and (ops[k, _T.OP] == _T.CHAIN or ops[k, _T.OP] == _T.POINT):
+            t = np.zeros(run)
+            carried = False
+            if ops[k, _T.OP] == _T.CHAIN:
+                for q in range(run):
+                    if ops[k + q, _T.CORR_SLOT] >= 0 or ops[k + q, _T.INJ_SLOT] >= 0:
+                        carried = True
+            if carried:  # what the rows carry: corrections, then injections
+                for part in range(1, 3):
+                    for q in prange(run):
+                        _tape_carried(S, ops[k + q], part)
+            for q in prange(run):  # the rows of one engine call are independent
+                aa, bb = _tape_scratch(S[0])
+                pp = np.empty(S[0].shape[1:], dtype=S[0].dtype)
+                t[q] = _tape_row(S, ops[k + q], hs, W, P, d0, act, adjoint, aa, bb, pp, True)
+            for q in range(run):  # in row order, as the serial driver adds them
+                if ops[k + q, _T.NORM] >= 0:
+                    norms[ops[k + q, _T.NORM]] += t[q]
+            k += run
+        else:
+            t0 = _tape_row(S, ops[k], hs, W, P, d0, act, adjoint, a, b, p)
+            if ops[k, _T.NORM] >= 0:
+                norms[ops[k, _T.NORM]] += t0
+            k += 1
+
+
+def stores_list(stores):
+    """The stores of a tape as a Numba typed list (built once per tape; item 0 rebinds)."""
+    out = numba.typed.List()
+    for s in stores:
+        out.append(s)
+    return out
+
+
+def _run_tape(kind, stores, ops, hs, W, P, d0, act, adjoint, norms, parallel=None):
+    """Replay ``ops`` (mgnn.backend.tape) on ``stores`` (:func:`stores_list`) with the layers W
+    and b (forward) or sigma' D from layer d0 (adjoint); squared norms added into ``norms``."""
+    U0 = stores[0]
+    if (W.dtype != U0.dtype or P.dtype != U0.dtype or hs.dtype != U0.dtype
+            or U0.ndim != _STACKED_NDIM[kind] or bool(adjoint) != (P.ndim > 2)):
+        raise TypeError(f"{kind} tape (adjoint={adjoint}): W {W.dtype}, P {P.dtype} "
+                        f"{P.shape}, hs {hs.dtype} for {U0.ndim}-d stores of {U0.dtype} (the "
+                        "steps are picked by P: b (N, c) forward, sigma' (layers, *state) "
+                        "adjoint)")
+    if parallel is None:
+        parallel = numba.get_num_threads() > 1
+    _call_driver(_tape_par if parallel else _tape, parallel or kind == "conv", stores, ops, hs,
+                 W, P, int(d0), int(act), bool(adjoint), norms)
+
+
+_STACKED_NDIM = {"dense": 3, "conv": 5}
+
+
+def dense_run_tape(stores, ops, hs, W, P, d0, act, adjoint, norms, parallel=None):
+    """Numba: one call for a captured cycle of dense steps (:mod:`mgnn.backend.tape`)."""
+    _run_tape("dense", stores, ops, hs, W, P, d0, act, adjoint, norms, parallel)
+
+
+def conv_run_tape(stores, ops, hs, W, P, d0, act, adjoint, norms, parallel=None):
+    """Numba: one call for a captured cycle of conv steps (:mod:`mgnn.backend.tape`)."""
+    _run_tape("conv", stores, ops, hs, W, P, d0, act, adjoint, norms, parallel)
