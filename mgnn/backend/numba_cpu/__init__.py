@@ -27,10 +27,13 @@ The backend is this package's namespace: every name of those modules is re-expor
 solver and the tests call ``numba_cpu.<kernel>``), plus the interval-batched loops of
 :mod:`..batched_loops`. The vector/FAS operations are :class:`..fas_ops.NumbaOps`.
 """
+import numpy as np
+
 from . import (activations, batch_norm, conv, conv3d, dense, grid_ops, pool_loss, recurrent,
                stacked, stacked_grads, tapes)
 
 name = "numba"
+xp = np  #: array module of this backend
 batched_relaxation = False  #: batching gains nothing on the CPU (see numpy_ref)
 
 _KINDS = (activations, dense, conv, conv3d, pool_loss, batch_norm, recurrent, grid_ops, stacked,
@@ -48,4 +51,3 @@ def _export():
 
 
 _export()
-xp = np  # noqa: F821 -- re-exported numpy: the array module of this backend
