@@ -198,13 +198,13 @@ def test_launch_rejects_sizes_beyond_int(emulated):
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 def test_nvcc_compiles_rng_with_every_kernel_for_sm_90(monkeypatch):
     """One translation unit with every kernel file (names must be unique), -Werror."""
-    monkeypatch.setattr(raw, "KERNEL_FILES", dict(raw.KERNEL_FILES, **RNG_FILES))
+    monkeypatch.setattr(raw.launch, "KERNEL_FILES", dict(raw.KERNEL_FILES, **RNG_FILES))
     assert raw.compile_with_nvcc("sm_90") == ""
 
 
 def test_nvrtc_compiles_rng_as_cupy_will(monkeypatch):
     pytest.importorskip("cupy")
-    monkeypatch.setattr(raw, "KERNEL_FILES", RNG_FILES)
+    monkeypatch.setattr(raw.launch, "KERNEL_FILES", RNG_FILES)
     assert raw.compile_with_nvrtc("90") == {"rng.cu": ""}
 
 
@@ -213,7 +213,7 @@ import numpy as np, cupy
 import mgnn.backend.cupy_raw as raw
 from mgnn.backend import counter_rng as R
 from mgnn.backend.host_emulation import EMULATION_GEOMETRY
-raw.KERNEL_FILES = {"rng.cu": ("dropout_mask",)}
+raw.KERNEL_FILES = raw.launch.KERNEL_FILES = {"rng.cu": ("dropout_mask",)}
 bk = raw.RawBackend(raw.CupyLauncher(EMULATION_GEOMETRY), "cuda")
 args = (2**64 - 1, 2**32 + 1, 5, 2**31 + 7, 10, 21, R.dropout_threshold(0.5))
 ref = R.dropout_mask(*args)

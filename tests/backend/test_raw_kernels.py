@@ -38,8 +38,8 @@ def test_nvrtc_check_fails_on_an_error(tmp_path, monkeypatch):
     (tmp_path / "common.cuh").write_text("")
     (tmp_path / "bad.cu").write_text(
         "#include <vector>\ntemplate <typename T> __global__ void bad(T *x) { x[0] = 1; }\n")
-    monkeypatch.setattr(raw, "KERNEL_FILES", {"bad.cu": ("bad",)})
-    monkeypatch.setattr(raw, "kernel_dir", lambda: str(tmp_path))
+    monkeypatch.setattr(raw.launch, "KERNEL_FILES", {"bad.cu": ("bad",)})
+    monkeypatch.setattr(raw.launch, "kernel_dir", lambda: str(tmp_path))
     with pytest.raises(RuntimeError, match="bad.cu"):
         raw.compile_with_nvrtc()
 
@@ -51,8 +51,8 @@ def test_nvcc_check_fails_on_a_warning(tmp_path, monkeypatch):
     import mgnn.backend.cupy_raw as raw
     src = tmp_path / "bad.cu"
     src.write_text("template <typename T> __global__ void bad(T *x) { int unused = 3; x[0] = 1; }\n")
-    monkeypatch.setattr(raw, "KERNEL_FILES", {"bad.cu": ("bad",)})
-    monkeypatch.setattr(raw, "kernel_dir", lambda: str(tmp_path))
+    monkeypatch.setattr(raw.launch, "KERNEL_FILES", {"bad.cu": ("bad",)})
+    monkeypatch.setattr(raw.launch, "kernel_dir", lambda: str(tmp_path))
     with pytest.raises(RuntimeError, match="unused"):
         raw.compile_with_nvcc("sm_90")
 
@@ -229,7 +229,7 @@ def test_conv_gemm_tiles_seams_and_splits_under_emulation(dtype, rng, monkeypatc
                              REF.conv_vjp(gy, d, x, K, h, Ci == Co)):
             assert_close(got, want, dt, name + " vjp")
     # the partials' cap (2 of them): 2 splits of 15 positions instead of 13, 13 and 4
-    monkeypatch.setattr(raw, "KGRAD_PART_MAX", 2 * 10 * 11 * 9)
+    monkeypatch.setattr(raw.base, "KGRAD_PART_MAX", 2 * 10 * 11 * 9)  # where it is read
     launches = []
     real = bk.launcher.launch
     bk.launcher.launch = lambda name, dt, grid, *a: (launches.append((name, grid)),
