@@ -86,10 +86,10 @@ class LayerParallel:
         level l + 1 holds images of half the resolution per axis (odd sizes 2m + 1 vertex-
         centred, even sizes 2m cell-centred, both to m: :mod:`mgnn.backend.grid_transfer`), in
         the forward and the adjoint solve; coarse steps apply the same kernels on the coarse
-        grid. Default () (none). Every level must be below the options' last level. The forward
-        solve then runs the stacked engine on per-level stores, the adjoint the list engine
-        (batched waves on a batching backend), the coarsest level is sequential, and the layer partition weighs each level's
-        steps by its pixel ratio (:attr:`level_cost`).
+        grid. Default () (none). Every level must be below the options' last level. Both solves
+        then run the stacked engine on per-level stores (the adjoint's coarsened levels with
+        sigma' at restricted forward states), the coarsest level is sequential, and the layer
+        partition weighs each level's steps by its pixel ratio (:attr:`level_cost`).
     interp : {'linear', 'nearest'}
         Interpolation of the spatial coarsening ((bi/tri)linear or nearest).
     restrict : {'full', 'injection'}

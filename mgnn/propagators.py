@@ -289,10 +289,10 @@ class _SpatialLevels:
 
     States (B, C, *spatial) with 2 or 3 spatial axes; transfers of
     :mod:`mgnn.backend.grid_transfer` (odd sizes vertex-centred, even sizes cell-centred).
-    Coarse steps apply the same kernels to the coarse grid. The forward propagator keeps the
-    stacked protocol (one store per level, of that level's shape); the adjoint one, which
-    linearises coarse steps at restricted states, the list protocol with batched waves where
-    the backend batches (``step_batch``). No captured cycles, and a sequential coarsest level.
+    Coarse steps apply the same kernels to the coarse grid. Both propagators keep the stacked
+    protocol (one store per level, of that level's shape; the adjoint linearises a coarsened
+    level's steps at restricted states), or on a backend without stacked kernels the list
+    protocol with batched waves. No captured cycles, and a sequential coarsest level.
     """
 
     stacked = batched = False
@@ -346,13 +346,61 @@ class SpatialAdjointPropagator(_SpatialLevels, AdjointPropagator):
     def __init__(self, model, states, derivs, bk, ctx=None, spatial_levels=(0,),
                  interp="linear", restrict="full"):
         AdjointPropagator.__init__(self, model, states, derivs, bk, ctx)
-        self.stacked = self.captures = self.graphs = False  # batched waves stay
+        # fused kinds on a stacked backend: the stacked engine on per-level stores (sigma' of a
+        # coarsened level at R^k u_n, :meth:`_level_derivs`); else batched waves. Never captured.
+        self.stacked = self.kind.fused and _has_stacked(bk)
+        self.captures = self.graphs = False
         self._spatial_setup(model, spatial_levels, interp, restrict)
         self._coarse = {}  # (n, k) -> (R^k u_n, its linearisation cache), for this solve
+        self._coarse_derivs = {}  # k -> [sigma' (N, *coarse state) at R^k u_n, layers filled]
 
     def reset(self, states, derivs):
         """New forward states and caches (a new training step)."""
-        self.U, self.D, self._coarse = states, derivs, {}
+        self.U, self.D, self._coarse, self._coarse_derivs = states, derivs, {}, {}
+        self._built = None
+
+    def _level_derivs(self, k, layers):
+        """(sigma' array, 0) for a level coarsened k times: row n is sigma' of layer n at
+        R^k u_n, computed once per solve for each of ``layers`` (the rows other layers hold are
+        never read)."""
+        entry = self._coarse_derivs.get(k)
+        for n in layers:
+            if entry is not None and n in entry[1]:
+                continue
+            u, _ = self._coarse_cache(n, k)
+            d = self.kind.deriv(self.W[n], self.b[n], u, self.bk)
+            if entry is None:
+                entry = self._coarse_derivs[k] = [self.bk.xp.zeros((self.N,) + d.shape, d.dtype),
+                                                  set()]
+            entry[0][n] = d
+            entry[1].add(n)
+        return entry[0], 0
+
+    def _layers(self, slots, origin, stride):
+        """The layers of the steps into ``slots`` (slot i: reversed index origin + i stride)."""
+        return {self.N - origin - int(i) * stride for i in slots}
+
+    def advance(self, L, G, chains, origin, stride, level):
+        """:meth:`AdjointPropagator.advance`; on a coarsened level with sigma' at R^k u_n."""
+        k = self.coarsenings(level)
+        if k == 0:
+            return AdjointPropagator.advance(self, L, G, chains, origin, stride, level)
+        slots = [i for first, n in np.asarray(chains).reshape(-1, 2).tolist()
+                 for i in range(first, first + n)]
+        D, d0 = self._level_derivs(k, self._layers(slots, origin, stride))
+        self.kind.chains_adjoint(self.W, D, d0, L, G, chains, self.N - origin, -stride,
+                                 self.dtype.type(stride * self.h), self.bk)
+
+    def points(self, L, G, R, slots, out_slots, origin, stride, level, mode):
+        """:meth:`AdjointPropagator.points`; on a coarsened level with sigma' at R^k u_n."""
+        k = self.coarsenings(level)
+        if k == 0:
+            return AdjointPropagator.points(self, L, G, R, slots, out_slots, origin, stride,
+                                            level, mode)
+        D, d0 = self._level_derivs(k, self._layers(np.asarray(slots).tolist(), origin, stride))
+        return self.kind.points_adjoint(self.W, D, d0, L, G, R, slots, out_slots,
+                                        self.N - origin, -stride,
+                                        self.dtype.type(stride * self.h), mode, self.bk)
 
     def restrict(self, lam, level):
         if level not in self.spatial_levels:

@@ -656,17 +656,14 @@ def coarsest_seconds(cfg, table):
     spatial = [s for s in (cfg.get("spatial_levels") or ()) if s < lev]
     for _ in spatial:
         shape = shape[:2] + tuple(grid_transfer.coarse_shape(shape[2:]))
-    # chains on stacked stores; with spatial coarsening the adjoint steps one state at a time
-    # (the list engine: it linearises at restricted states), the forward stays stacked
-    ops = (("chains_forward", "vjp_state") if spatial else ("chains_forward", "chains_adjoint"))
+    # chains on stacked stores, forward and adjoint (with spatial coarsening too: the coarse
+    # adjoint's sigma' is taken at restricted states, its steps are the same chains)
+    ops = ("chains_forward", "chains_adjoint")
     t = 0.0
     for op, cycles in zip(ops, (cfg["fwd_iters"], cfg["bwd_iters"])):
         try:
-            if op == "vjp_state":
-                t += cycles * n_c * table.seconds(op, shape, cfg["dtype"], 1)
-            else:
-                t += cycles * (table.seconds(op, shape, cfg["dtype"], n_c) -
-                               table.seconds(op, shape, cfg["dtype"], 0))
+            t += cycles * (table.seconds(op, shape, cfg["dtype"], n_c) -
+                           table.seconds(op, shape, cfg["dtype"], 0))
         except KeyError:
             pass
     return t
