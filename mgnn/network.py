@@ -109,8 +109,9 @@ class LayerParallel:
         GradientGuard with its defaults. None or 'off': the fixed cycle budget, unwatched.
 
     Composed steps (batch norm, dropout: :class:`mgnn.blocks.composed.ComposedStep`) run the
-    single-state propagator protocol, and their coarsest level is always 'sequential' (the
-    redundant one copies the compact fused layers). The model's mode (:meth:`Model.train` /
+    stacked engine through the stacked protocol over single steps (one step call per state, no
+    stacked kernels), and their coarsest level is always 'sequential' (the redundant one copies
+    the compact fused layers). The model's mode (:meth:`Model.train` /
     :meth:`Model.eval`) decides batch or running statistics and dropout in
     :meth:`loss_and_grad`; :meth:`logits` and :meth:`predict` always use eval mode. A
     train-mode call updates the running statistics once, from the final forward states, and
@@ -410,7 +411,7 @@ class LayerParallel:
         lo = owned.start
         steps = st.steps
         W, b = steps.get("weight"), steps.get("bias")
-        st.stacked = st.store is not None and _has_stacked_grads(bk)
+        st.stacked = st.store is not None and m.step.fused and _has_stacked_grads(bk)
         t0 = time.perf_counter()
         st.template = U[lo] if len(owned) else U[N]
         st.solver = self._solver("adjoint", bwd or self._serial_opts)

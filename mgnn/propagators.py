@@ -31,15 +31,18 @@ class ForwardPropagator:
         self.P = steps = model.step_params()
         self.W, self.b = steps.get("weight"), steps.get("bias")
         self.h, self.dtype = model.t_final / model.n_layers, model.dtype
-        fused = self.kind.fused  # composed steps: the single-state (list) protocol only
+        fused = self.kind.fused
         self.batched = fused and bool(getattr(bk, "batched_relaxation", False))
         self.fused_rhs = True  # step_batch adds the FAS rhs in the kernel's epilogue
         # recurrent kinds: stacked kernels of their own (layer-indexed, shared weights)
         self._layered = not fused and callable(getattr(self.kind, "chains_forward_layers",
                                                        None)) and self.kind.can_stack(bk)
-        self.stacked = (fused and _has_stacked(bk)) or self._layered
-        self.captures = self.stacked and self.kind.can_replay(bk)
-        self.graphs = self.stacked and bool(getattr(bk, "graphs", False))
+        # composed kinds (batch norm, dropout): the stacked protocol over single steps
+        self._stepped = not fused and not self._layered and _has_stacked(bk)
+        self.stacked = (fused and _has_stacked(bk)) or self._layered or self._stepped
+        self.captures = self.stacked and not self._stepped and self.kind.can_replay(bk)
+        self.graphs = (self.stacked and not self._stepped
+                       and bool(getattr(bk, "graphs", False)))
         self.replicas = {}
 
     def solve_context(self):
@@ -82,6 +85,8 @@ class ForwardPropagator:
         """Stacked relaxation (:class:`mgnn.mgrit.engines.StackedEngine`): slot i is fine index
         origin + i stride; the step into it applies layer origin + (i - 1) stride."""
         h = self.dtype.type(stride * self.h)
+        if self._stepped:
+            return _stepped_advance(self, U, G, chains, origin, stride, level)
         if self._layered:
             return self.kind.chains_forward_layers(self.P, U, G, chains, origin - stride,
                                                    stride, h, self.bk, self.ctx)
@@ -90,6 +95,8 @@ class ForwardPropagator:
     def points(self, U, G, R, slots, out_slots, origin, stride, level, mode):
         """Stacked residual / FAS / plain steps (see :meth:`advance`)."""
         h = self.dtype.type(stride * self.h)
+        if self._stepped:
+            return _stepped_points(self, U, G, R, slots, out_slots, origin, stride, level, mode)
         if self._layered:
             return self.kind.points_forward_layers(self.P, U, G, R, slots, out_slots,
                                                    origin - stride, stride, h, mode, self.bk,
@@ -148,9 +155,12 @@ class AdjointPropagator:
         # recurrent kinds: stacked adjoint kernels of their own, on a StackedLinearization D
         self._layered = not fused and callable(getattr(self.kind, "chains_adjoint_layers",
                                                        None)) and self.kind.can_stack_adjoint(bk)
-        self.stacked = (fused and _has_stacked(bk)) or self._layered
-        self.captures = self.stacked and self.kind.can_replay(bk)
-        self.graphs = self.stacked and bool(getattr(bk, "graphs", False))
+        # composed kinds (batch norm, dropout): the stacked protocol over single steps
+        self._stepped = not fused and not self._layered and _has_stacked(bk)
+        self.stacked = (fused and _has_stacked(bk)) or self._layered or self._stepped
+        self.captures = self.stacked and not self._stepped and self.kind.can_replay(bk)
+        self.graphs = (self.stacked and not self._stepped
+                       and bool(getattr(bk, "graphs", False)))
         self.derivs, self.d0 = None, 0  # sigma' of layers d0, d0 + 1, ... as one array
         self.replicas = {}
 
@@ -184,6 +194,8 @@ class AdjointPropagator:
         """Stacked relaxation: slot i is reversed index origin + i stride; the step into it is
         the vjp of layer N - origin - i stride with sigma' from :attr:`derivs`."""
         h = self.dtype.type(stride * self.h)
+        if self._stepped:
+            return _stepped_advance(self, L, G, chains, origin, stride, level)
         if self._layered:
             return self.kind.chains_adjoint_layers(self.P, L, G, chains, self.N - origin,
                                                    -stride, h, self._linearization(), self.bk,
@@ -194,6 +206,8 @@ class AdjointPropagator:
     def points(self, L, G, R, slots, out_slots, origin, stride, level, mode):
         """Stacked residual / FAS / plain adjoint steps (see :meth:`advance`)."""
         h = self.dtype.type(stride * self.h)
+        if self._stepped:
+            return _stepped_points(self, L, G, R, slots, out_slots, origin, stride, level, mode)
         if self._layered:
             return self.kind.points_adjoint_layers(self.P, L, G, R, slots, out_slots,
                                                    self.N - origin, -stride, h, mode,
@@ -443,6 +457,35 @@ class SpatialAdjointPropagator(_SpatialLevels, AdjointPropagator):
         h = self.dtype.type((stop - start) * self.h)
         _, cache = self._coarse_cache(n, k)
         return self.kind.vjp_state_layer(self.P, n, cache, lam, h, self.bk, self.ctx)
+
+
+def _stepped_advance(prop, U, G, chains, origin, stride, level):
+    """The stacked protocol's ``advance`` over ``prop.step`` (composed kinds: one step call per
+    state, written into the store): U[i] = step(U[i-1]) (+ G[i]) along every chain."""
+    for first, n in np.asarray(chains).reshape(-1, 2).tolist():
+        for i in range(first, first + n):
+            v = prop.step(U[i - 1], origin + (i - 1) * stride, origin + i * stride, level)
+            U[i] = v if G is None else v + G[i]
+
+
+def _stepped_points(prop, U, G, R, slots, out_slots, origin, stride, level, mode):
+    """The stacked protocol's ``points`` over ``prop.step``: mode 0 R[o] = phi - U[i] (+ G[i])
+    returning the sum of squared norms (accumulated in float64), 1 R[o] = (R[o] + U[i]) - phi,
+    2 R[o] = phi (+ G[i])."""
+    total = 0.0
+    for i, o in zip(np.asarray(slots).tolist(), np.asarray(out_slots).tolist()):
+        phi = prop.step(U[i - 1], origin + (i - 1) * stride, origin + i * stride, level)
+        if mode == 0:
+            r = phi - U[i]
+            if G is not None:
+                r += G[i]
+            R[o] = r
+            total += float((r.astype(np.float64) ** 2).sum())
+        elif mode == 1:
+            R[o] = (R[o] + U[i]) - phi
+        else:
+            R[o] = phi if G is None else phi + G[i]
+    return total
 
 
 def _addresses(*arrays):

@@ -1,6 +1,7 @@
-"""The two MGRIT engines agree for every model kind: the stacked engine (one array per level,
-captured cycles where they apply) and the list engine (the adapter that runs any propagator with
-``step``) give the same inexact (fixed 2/1 cycles) loss, gradients and residual histories to
+"""The two MGRIT engines agree for every model kind: every kind runs the stacked engine (one
+array per level; captured cycles where they apply; composed kinds and conv3d through the stacked
+protocol over single steps), and the list engine (the adapter that runs any propagator with
+``step``) gives the same inexact (fixed 2/1 cycles) loss, gradients and residual histories to
 round-off, forward and adjoint, for dense, conv 2D/3D, batch norm + dropout, GRU, RNN and
 spatially coarsened conv models. The list engine is forced by building every solver's engine as
 a :class:`mgnn.mgrit.engines.ListEngine`."""
@@ -35,9 +36,6 @@ def _case(kind):
 
 
 KINDS = ["dense", "conv", "conv3d", "batch norm + dropout", "gru", "rnn", "spatial conv"]
-#: kinds whose propagators have no stacked protocol yet (issue 36's "one engine" is open for them):
-#: they run the list engine either way, and this test says so until they move
-LIST_ONLY = {"conv3d", "batch norm + dropout"}
 
 
 def _run(kind, list_engine, monkeypatch, rng_seed=0):
@@ -69,7 +67,7 @@ def test_list_and_stacked_engines_agree(kind, monkeypatch):
     losses_s, g_s, stats_s, engines_s = _run(kind, False, monkeypatch)
     losses_l, g_l, stats_l, engines_l = _run(kind, True, monkeypatch)
     assert engines_l == {"ListEngine"}
-    assert ("StackedEngine" in engines_s) == (kind not in LIST_ONLY), engines_s
+    assert engines_s == {"StackedEngine"}, engines_s  # every kind, forward and adjoint
     np.testing.assert_allclose(losses_s, losses_l, rtol=1e-12)
     for k in g_l:
         np.testing.assert_allclose(g_s[k], g_l[k], rtol=1e-9, atol=1e-12, err_msg=k)
