@@ -755,6 +755,11 @@ def cmd_bench(args):
                                          activation=args.activation or "relu",
                                          threads=threads, repeats=3, rounds=3)]
         text = format_mgrit(results)
+        # whole training steps of every model kind against their algorithmic work
+        from .studies.bench import bench_training_steps, format_training_steps
+        rows = bench_training_steps(quick=args.quick, repeats=3 if args.quick else 5)
+        results += rows
+        text += "\n" + format_training_steps(rows)
         # conv ResNets with and without spatial coarsening: work in fine-step equivalents
         for size, n in (((16, 16), 16), ((8, 8, 8), 8)) if args.quick else \
                 (((28, 28), 32), ((16, 16, 16), 16)):

@@ -1,6 +1,7 @@
 """``bench mgrit``: the counted layer evaluations equal the cost model's, and both statistics
 (fastest and median samples) are reported for the forward and the adjoint solve."""
 import numpy as np
+import pytest
 
 from mgnn.studies.bench import bench_mgrit, format_mgrit, time_samples
 
@@ -88,6 +89,7 @@ def test_cli_passes_layers_dtype_and_activation_to_the_dense_solves(monkeypatch,
     monkeypatch.setattr(bench, "bench_mgrit", lambda **kw: seen.append(kw) or [])
     monkeypatch.setattr(bench_spatial, "mgrit_comparison", lambda **kw: [])
     monkeypatch.setattr(bench_spatial, "format_mgrit_comparison", lambda rows: "")
+    monkeypatch.setattr(bench, "bench_training_steps", lambda **kw: [])
     assert main(["bench", "mgrit", "--layers", "32", "--dtype", "float64",
                  "--activation", "tanh"]) == 0
     dense = [k for k in seen if k.get("model", "dense") == "dense"]
@@ -112,3 +114,27 @@ def test_bench_mgrit_conv_case_counts_its_work():
     for r in rows:
         assert r["model"] == "conv" and "conv C=3 5x5" in r["name"]
         assert r["evals"] > 8 and r["cost_model_ratio"] > 0 and r["stacked"]
+
+
+def test_training_steps_of_every_kind_against_their_algorithmic_work():
+    """The training-step rows: every model kind runs the stacked engine, the work is the cost
+    model's (fine-step equivalents: a spatially coarsened level weighs less) and the ratio is
+    the MGRIT step over serial x (W_fwd + W_adj + N) / 3N."""
+    from mgnn.mgrit import cycle_work, level_sizes
+    from mgnn.studies.bench import bench_training_steps, format_training_steps
+    rows = bench_training_steps(quick=True, repeats=1, rounds=1)
+    assert len(rows) == 6 and all(r["engines"] == ["StackedEngine"] for r in rows)
+    dense = rows[0]
+    N = dense["layers"]
+    sizes = level_sizes(N, 4, 3, 1)
+    nrelax = [0, 1]
+    want = sum(cycle_work(sizes, 4, lambda lev: nrelax[min(lev, 1)], k == 0) for k in range(2))
+    assert dense["work_fwd"] == dense["work_adj"] == want + sizes[0] - sizes[1]
+    spatial = rows[-1]
+    assert "spatial" in spatial["name"] and spatial["work_fwd"] < dense["work_fwd"] / 2
+    for r in rows:
+        algorithmic = r["serial_s"] * (r["work_fwd"] + r["work_adj"] + r["layers"]) / (
+            3 * r["layers"])
+        assert r["algorithmic_s"] == pytest.approx(algorithmic)
+        assert r["ratio"] == pytest.approx(r["mgrit_s"] / algorithmic)
+    assert format_training_steps(rows).count("\n") == 6

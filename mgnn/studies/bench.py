@@ -583,6 +583,87 @@ def format_mgrit(results):
     return "\n".join(lines)
 
 
+def _training_step_cases(quick):
+    """(label, model builder, x shape, LayerParallel keywords) of :func:`bench_training_steps`."""
+    from ..models import conv_resnet, gru_classifier
+    n = 64 if quick else 256
+    m = 32 if quick else 64
+    return [
+        ("dense w=16", lambda: dense_resnet(16, 16, 10, n, activation="relu",
+                                            dtype="float32"), (128, 16), {}),
+        ("dense w=64", lambda: dense_resnet(64, 64, 10, n, activation="relu",
+                                            dtype="float32"), (128, 64), {}),
+        ("batch norm w=64", lambda: dense_resnet(64, 64, 10, m, activation="relu",
+                                                 dtype="float32", batch_norm=True),
+         (128, 64), {}),
+        ("dropout 0.1 w=64", lambda: dense_resnet(64, 64, 10, m, activation="relu",
+                                                  dtype="float32", dropout=0.1), (128, 64), {}),
+        ("GRU H=32", lambda: gru_classifier(8, 32, 10, m, dtype="float32"), (64, m, 8), {}),
+        ("conv C=8 16x16, spatial level 0",
+         lambda: conv_resnet(1, 8, (16, 16), 10, 32 if quick else 64, activation="relu",
+                             dtype="float32"), (32, 1, 16, 16), {"spatial_levels": (0,)}),
+    ]
+
+
+def bench_training_steps(quick=False, cf=4, levels=3, cycles=(2, 2), repeats=5, rounds=4,
+                         seed=0, threads=1):
+    """Whole training steps of each model kind on one process (threads pinned to 1 by default):
+    the MGRIT step (``levels`` levels, ``cf``, F on level 0 and FCF below, ``cycles`` forward /
+    adjoint cycles, skipped down-cycle, no guard) against its algorithmic work, the serial
+    step's time x (W_fwd + W_adj + N) / 3N, where W is the solve's propagator steps in fine-step
+    equivalents (:func:`mgnn.mgrit.cycle_work` with the model's level costs, plus the final
+    F-relaxation) and N the layers (time steps): the serial step does N forward steps, N
+    adjoint steps and N parameter-gradient steps. Fastest samples, interleaved rounds.
+    Returns one dict per case."""
+    from ..mgrit import MGRITOptions, cycle_work, level_sizes
+    rng = np.random.default_rng(seed)
+    out = []
+    with _thread_setting(threads):
+        for label, build, xshape, kw in _training_step_cases(quick):
+            model = build()
+            x = rng.standard_normal(xshape).astype(model.dtype)
+            y = rng.integers(0, 10, xshape[0])
+            opts = [MGRITOptions(cf=cf, max_levels=levels, nrelax=[0, 1], tol=0.0, max_iter=c,
+                                 skip_downcycle=True, warn_not_converged=False) for c in cycles]
+            serial = LayerParallel(model, backend="numba", guard=None, threads=None)
+            lp = LayerParallel(model, *opts, backend="numba", guard=None, threads=None, **kw)
+            N = model.n_layers
+            sizes = level_sizes(N, cf, levels, opts[0].min_coarse)
+            cost = getattr(lp, "level_cost", None)
+            work = [sum(cycle_work(sizes, cf, o.nrelax_on, k == 0, level_cost=cost)
+                        for k in range(o.max_iter)) + sizes[0] - sizes[1] for o in opts]
+            runs = {"serial": lambda: serial.loss_and_grad(x, y),
+                    "mgrit": lambda: lp.loss_and_grad(x, y)}
+            samples = {k: [] for k in runs}
+            for _ in range(rounds):
+                for k, fn in runs.items():
+                    samples[k] += time_samples(fn, repeats=repeats, min_time=0.005)
+            t = {k: float(min(v)) for k, v in samples.items()}
+            algorithmic = t["serial"] * (work[0] + work[1] + N) / (3 * N)
+            engines = sorted({type(lp._solver(k, o).engine).__name__
+                              for k, o in zip(("forward", "adjoint"), opts)})
+            out.append({"name": f"training step {label} N={N} B={xshape[0]} float32 cf={cf} "
+                                f"levels={sizes} {cycles[0]}/{cycles[1]} cycles",
+                        "serial_s": t["serial"], "mgrit_s": t["mgrit"],
+                        "work_fwd": float(work[0]), "work_adj": float(work[1]), "layers": N,
+                        "algorithmic_s": algorithmic, "ratio": t["mgrit"] / algorithmic,
+                        "engines": engines, "target": "ratio <= 1.1 (dense), 1.15 (others)"})
+    return out
+
+
+def format_training_steps(rows):
+    """Plain-text lines for :func:`bench_training_steps`."""
+    lines = ["Training steps against their algorithmic work (one process, threads 1): MGRIT "
+             "time / (serial step x (W_fwd + W_adj + N) / 3N)"]
+    for r in rows:
+        lines.append(f"  {r['name']}: serial {1e3 * r['serial_s']:.2f} ms, MGRIT "
+                     f"{1e3 * r['mgrit_s']:.2f} ms, work {r['work_fwd']:.0f} + "
+                     f"{r['work_adj']:.0f} + {r['layers']} over {3 * r['layers']} -> "
+                     f"{1e3 * r['algorithmic_s']:.2f} ms; ratio {r['ratio']:.3f} "
+                     f"({', '.join(r['engines'])})  [target {r['target']}]")
+    return "\n".join(lines)
+
+
 class CountingLauncher:
     """A RawKernel launcher that launches nothing: it counts the launches of each kernel and
     the allocations through its array module (``empty``, ``zeros``, ``ones``, ``full`` and their
