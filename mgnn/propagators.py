@@ -310,6 +310,9 @@ class _SpatialLevels:
     """
 
     stacked = batched = False
+    #: restrict / interpolate act on the trailing axes of any batch: the stacked engine passes
+    #: every C-point of a call as one (k B, C, ...) batch
+    batched_transfers = True
 
     def _spatial_setup(self, model, levels, interp, restrict):
         self.spatial_levels, self.interp, self.restrict_kind = tuple(levels), interp, restrict

@@ -611,6 +611,47 @@ class StackedEngine(ListEngine):
     def _add_into(self, U, slot, e):
         U[slot] += e
 
+    # spatial transfers of every C-point of a call at once, for a propagator whose
+    # restrict / interpolate act on the trailing axes of any batch (``batched_transfers``):
+    # (k, B, C, ...) states go through as one (k B, C, ...) batch, the same numbers per state
+    def _batched_transfers(self, k):
+        return k > 1 and bool(getattr(self.prop, "batched_transfers", False))
+
+    def _transfer_many(self, fn, X, lev):
+        k, B = X.shape[:2]
+        Y = fn(self.xp.ascontiguousarray(X).reshape((k * B,) + X.shape[2:]), lev)
+        return Y.reshape((k, B) + Y.shape[1:])
+
+    def inject_restricted(self, Uf, V, fine0, stride, coarse0, k, lev):
+        if not self._batched_transfers(k):
+            return super().inject_restricted(Uf, V, fine0, stride, coarse0, k, lev)
+        self._uncaptured("a spatial transfer")
+        Y = self._transfer_many(self.prop.restrict,
+                                Uf[fine0:fine0 + (k - 1) * stride + 1:stride], lev)
+        self.solver._restricted(Y[0], lev)
+        V[coarse0:coarse0 + k] = Y
+
+    def restrict_slots(self, Rf, Gc, slots, lev):
+        slots = list(slots)
+        if not (self._batched_transfers(len(slots))
+                and slots == list(range(slots[0], slots[0] + len(slots)))):
+            return super().restrict_slots(Rf, Gc, slots, lev)
+        self._uncaptured("a spatial transfer")
+        a, b = slots[0], slots[0] + len(slots)
+        Y = self._transfer_many(self.prop.restrict, Rf[a:b], lev)
+        self.solver._restricted(Y[0], lev)
+        Gc[a:b] = Y
+
+    def correct_interpolated(self, Uf, Uc, V, fine0, stride, coarse0, k, lev):
+        if not self._batched_transfers(k):
+            return super().correct_interpolated(Uf, Uc, V, fine0, stride, coarse0, k, lev)
+        s = self.solver
+        E = self._transfer_many(s.prop.interpolate,
+                                Uc[coarse0:coarse0 + k] - V[coarse0:coarse0 + k], lev)
+        s._check_state(E[0], lambda: f"{type(s.prop).__name__}.interpolate(e, level={lev}) "
+                                     "returned", lev)
+        Uf[fine0:fine0 + (k - 1) * stride + 1:stride] += E
+
     def correct(self, Uf, Uc, V, fine0, stride, coarse0, k):
         if not k:
             return

@@ -75,3 +75,29 @@ def test_list_and_stacked_engines_agree(kind, monkeypatch):
         r_s, r_l = stats_s[part]["residuals"], stats_l[part]["residuals"]
         assert len(r_s) == len(r_l) >= 1, (part, r_s, r_l)
         np.testing.assert_allclose(r_s, r_l, rtol=1e-9)
+
+
+@pytest.mark.parametrize("size", [(7, 7), (8, 8), (5, 5, 5)])
+def test_batched_spatial_transfers_equal_one_state_at_a_time(size, monkeypatch):
+    """The stacked engine restricts / interpolates every C-point of a call as one batch
+    (``batched_transfers``): bit for bit the state-by-state transfers, forward and adjoint."""
+    from mgnn.propagators import _SpatialLevels
+    model = mgnn.conv_resnet(1, 2, size, 3, 16, seed=3)
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((3, 1) + size)
+    y = rng.integers(0, 3, 3)
+    fwd = MGRITOptions(cf=2, max_levels=3, max_iter=2, tol=0.0, warn_not_converged=False)
+    bwd = MGRITOptions(cf=2, max_levels=3, max_iter=2, tol=0.0, warn_not_converged=False)
+    out = []
+    for batched in (True, False):
+        monkeypatch.setattr(_SpatialLevels, "batched_transfers", batched)
+        lp = mgnn.LayerParallel(model, fwd, bwd, backend="numba", guard=None,
+                                spatial_levels=(0, 1))
+        loss, g = lp.loss_and_grad(x, y)
+        out.append((loss, g, lp.stats))
+    (l1, g1, s1), (l0, g0, s0) = out
+    assert l1 == l0
+    for k in g0:
+        np.testing.assert_array_equal(g1[k], g0[k], err_msg=k)
+    for part in ("forward", "adjoint"):
+        assert s1[part]["residuals"] == s0[part]["residuals"]
