@@ -388,7 +388,12 @@ def load_npz(path):
     if not os.path.isfile(path):
         raise ValueError(f"data file {path!r} does not exist")
     try:
-        with np.load(path, allow_pickle=False) as f:
+        f = np.load(path, allow_pickle=False)
+        if not isinstance(f, np.lib.npyio.NpzFile):  # a single .npy array under an .npz name
+            raise DataFormatError(f"{path}: not an .npz archive (one array of shape "
+                                  f"{getattr(f, 'shape', None)}); save the four arrays with "
+                                  "numpy.savez")
+        with f:
             missing = [k for k in NPZ_ARRAYS if k not in f.files]
             if missing:
                 raise DataFormatError(f"{path}: missing array(s) {', '.join(missing)} (it has "

@@ -20,10 +20,18 @@ from .mgrit import DivergenceError, MGRITOptions, MGRITSolver, hierarchy
 from .mgrit.partition import Partition, balanced_starts, block_work, layer_work
 from .blocks.composed import ComposedStep, StepContext
 from .params import ParamDict
-from .models import (Model, conv_resnet, dense_resnet, gru_classifier,  # noqa: F401 (re-exported)
+# re-exported: what mgnn.network held before the models and propagators moved out
+from .backend import check_dtype  # noqa: F401
+from .backend.blas_threads import solve_blas_context  # noqa: F401
+from .blocks import (Conv3dOpening, ConvOpening, ConvStep, DenseClosing,  # noqa: F401
+                     DenseOpening, DenseStep, PoolClosing, SoftmaxCrossEntropy)
+from .blocks.composed import Activation, Affine, BatchNormAct, Dropout  # noqa: F401
+from .blocks.recurrent import LastHiddenClosing, RecurrentStep, ZeroOpening  # noqa: F401
+from .models import (Model, conv_resnet, dense_resnet, gru_classifier,  # noqa: F401
                      rnn_classifier)
 from .propagators import (AdjointPropagator, CoarseReplica, ForwardPropagator,  # noqa: F401
                           SpatialAdjointPropagator, SpatialForwardPropagator, _has_stacked_grads)
+from .propagators import _has_stacked  # noqa: F401
 
 
 

@@ -186,9 +186,11 @@ class AdjointPropagator:
         return self.W.shape, D.shape, d0
 
     def reset(self, states, derivs):
-        """The forward states and linearisation caches of a new training step."""
+        """The forward states and linearisation caches of a new training step (a stacked
+        sigma' array, :attr:`derivs`, is rebuilt from them unless set again after this)."""
         self.U, self.D = states, derivs
         self._built = None  # a linearisation built from the old states (_linearization)
+        self.derivs, self.d0 = None, 0
 
     def advance(self, L, G, chains, origin, stride, level):
         """Stacked relaxation: slot i is reversed index origin + i stride; the step into it is
@@ -369,29 +371,38 @@ class SpatialAdjointPropagator(_SpatialLevels, AdjointPropagator):
         self.captures = self.graphs = False
         self._spatial_setup(model, spatial_levels, interp, restrict)
         self._coarse = {}  # (n, k) -> (R^k u_n, its linearisation cache), for this solve
-        self._coarse_derivs = {}  # k -> [sigma' (N, *coarse state) at R^k u_n, layers filled]
+        # k -> [sigma' at R^k u_n of the layers d0 .. d0 + rows - 1, d0, the layers filled]:
+        # the arrays stay across training steps (refilled), only the filled sets are reset
+        self._coarse_derivs = {}
 
     def reset(self, states, derivs):
         """New forward states and caches (a new training step)."""
-        self.U, self.D, self._coarse, self._coarse_derivs = states, derivs, {}, {}
-        self._built = None
+        AdjointPropagator.reset(self, states, derivs)
+        self._coarse = {}
+        for entry in self._coarse_derivs.values():
+            entry[2] = set()
 
     def _level_derivs(self, k, layers):
-        """(sigma' array, 0) for a level coarsened k times: row n is sigma' of layer n at
-        R^k u_n, computed once per solve for each of ``layers`` (the rows other layers hold are
-        never read)."""
+        """(sigma' array, d0) for a level coarsened k times: row n - d0 is sigma' of layer n at
+        R^k u_n (the cache :meth:`_coarse_cache` keeps), filled once per solve for each of
+        ``layers``; rows for the layers of the fine sigma' array (this rank's: d0 .. d0 +
+        len - 1), allocated once."""
         entry = self._coarse_derivs.get(k)
         for n in layers:
-            if entry is not None and n in entry[1]:
+            if entry is not None and n in entry[2]:
                 continue
-            u, _ = self._coarse_cache(n, k)
-            d = self.kind.deriv(self.W[n], self.b[n], u, self.bk)
-            if entry is None:
-                entry = self._coarse_derivs[k] = [self.bk.xp.zeros((self.N,) + d.shape, d.dtype),
-                                                  set()]
-            entry[0][n] = d
-            entry[1].add(n)
-        return entry[0], 0
+            _, d = self._coarse_cache(n, k)  # fused kinds: the cache is sigma'
+            if entry is None or entry[0].shape[1:] != d.shape or entry[0].dtype != d.dtype:
+                fine, d0 = self._stacked_derivs()
+                entry = self._coarse_derivs[k] = [
+                    self.bk.xp.zeros((fine.shape[0],) + d.shape, d.dtype), d0, set()]
+            if not 0 <= n - entry[1] < entry[0].shape[0]:  # a layer beyond those rows: all N
+                full = self.bk.xp.zeros((self.N,) + d.shape, d.dtype)
+                full[entry[1]:entry[1] + entry[0].shape[0]] = entry[0]
+                entry[0], entry[1] = full, 0
+            entry[0][n - entry[1]] = d
+            entry[2].add(n)
+        return entry[0], entry[1]
 
     def _layers(self, slots, origin, stride):
         """The layers of the steps into ``slots`` (slot i: reversed index origin + i stride)."""
@@ -404,6 +415,8 @@ class SpatialAdjointPropagator(_SpatialLevels, AdjointPropagator):
             return AdjointPropagator.advance(self, L, G, chains, origin, stride, level)
         slots = [i for first, n in np.asarray(chains).reshape(-1, 2).tolist()
                  for i in range(first, first + n)]
+        if not slots:
+            return
         D, d0 = self._level_derivs(k, self._layers(slots, origin, stride))
         self.kind.chains_adjoint(self.W, D, d0, L, G, chains, self.N - origin, -stride,
                                  self.dtype.type(stride * self.h), self.bk)
@@ -414,6 +427,8 @@ class SpatialAdjointPropagator(_SpatialLevels, AdjointPropagator):
         if k == 0:
             return AdjointPropagator.points(self, L, G, R, slots, out_slots, origin, stride,
                                             level, mode)
+        if not len(slots):
+            return 0.0
         D, d0 = self._level_derivs(k, self._layers(np.asarray(slots).tolist(), origin, stride))
         return self.kind.points_adjoint(self.W, D, d0, L, G, R, slots, out_slots,
                                         self.N - origin, -stride,

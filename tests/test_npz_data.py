@@ -99,6 +99,11 @@ def test_bad_npz_is_one_line_before_any_kernel(change, message, tmp_path, capsys
 def test_file_and_model_errors(tmp_path, capsys, no_kernels):
     assert main(_train(str(tmp_path / "none.npz"))) == 2
     assert "data file" in capsys.readouterr().err
+    lone = tmp_path / "lone.npz"
+    with open(lone, "wb") as fh:
+        np.save(fh, np.ones(3))  # a .npy file named .npz
+    assert main(_train(str(lone))) == 2
+    assert "not an .npz archive" in capsys.readouterr().err
     junk = tmp_path / "junk.npz"
     junk.write_bytes(b"not a zip")
     assert main(_train(str(junk))) == 2

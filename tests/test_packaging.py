@@ -23,8 +23,14 @@ def test_wheel_ships_kernels(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     (wheel,) = (tmp_path / "dist").glob("mgnn-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert "mgnn/kernels/README.md" in names and "mgnn/backend/numba_cpu.py" in names
-    assert "mgnn/studies/bench.py" in names and "mgnn/backend/jit.py" in names
+    assert "mgnn/kernels/README.md" in names and "mgnn/backend/jit.py" in names
+    for package in ("mgnn/studies", "mgnn/backend/numba_cpu", "mgnn/backend/numpy_ref",
+                    "mgnn/backend/cupy_raw"):  # every package of the source tree is shipped
+        assert f"{package}/__init__.py" in names, package
+    shipped = {n for n in names if n.startswith("mgnn/") and n.endswith("/__init__.py")}
+    here = {os.path.relpath(os.path.join(d, "__init__.py"), REPO).replace(os.sep, "/")
+            for d, _, files in os.walk(os.path.join(REPO, "mgnn")) if "__init__.py" in files}
+    assert here <= shipped, sorted(here - shipped)
     sources = sorted(f for f in os.listdir(os.path.join(REPO, "kernels"))
                      if f.endswith((".cu", ".cuh")))
     assert sources and all(f"mgnn/kernels/{f}" in names for f in sources), (sources, names)

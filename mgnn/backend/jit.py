@@ -7,8 +7,8 @@ fails with ``EOFError``/``UnpicklingError``, or, when the half-written file belo
 with a spurious ``TypingError`` from the caller's type inference. The dispatcher here catches those
 on a kernel's first compile, moves every mgnn kernel of this process to a private cache folder
 (``<NUMBA_CACHE_DIR>/pid-<pid>``) and compiles again; if that succeeds it warns once (the shared
-cache was the problem). A genuine typing error fails the second compile as well and is raised as
-Numba raised it, without a warning.
+cache was the problem). A genuine typing error fails the second compile as well: the process goes
+back to the shared cache and the error is raised as Numba raised it, without a warning.
 """
 import os
 import pickle
@@ -22,7 +22,7 @@ from numba.core.registry import CPUDispatcher
 CACHE_RACE_ERRORS = (errors.TypingError, EOFError, pickle.UnpicklingError)
 
 _dispatchers = []  # every dispatcher made by njit below, in creation order
-_private = {"dir": None}
+_private = {"dir": None, "shared": None}
 
 
 class CacheRaceWarning(RuntimeWarning):
@@ -43,12 +43,29 @@ def use_private_cache():
     base = config.CACHE_DIR or os.path.join(os.path.dirname(__file__), "__pycache__")
     path = os.path.join(base, f"pid-{os.getpid()}")
     os.makedirs(path, mode=0o700, exist_ok=True)
-    config.CACHE_DIR = path
+    _private["shared"] = config.CACHE_DIR
+    _point_caches_at(path)
     _private["dir"] = path
+    return path
+
+
+def _point_caches_at(folder):
+    config.CACHE_DIR = folder
     for disp in _dispatchers:
         if disp._cache.__class__.__name__ != "NullCache":
             disp.enable_caching()  # a FunctionCache whose locator reads the new CACHE_DIR
-    return path
+
+
+def _back_to_shared():
+    """Undo :func:`use_private_cache` (the retry failed too: the error was not the cache's):
+    the shared folder again, the private one removed if nothing was written to it."""
+    path, _private["dir"] = _private["dir"], None
+    _point_caches_at(_private["shared"])
+    for folder, _, _ in os.walk(path, topdown=False):  # empty folders only, deepest first
+        try:
+            os.rmdir(folder)
+        except OSError:
+            pass
 
 
 class RetryingDispatcher(CPUDispatcher):
@@ -63,7 +80,11 @@ class RetryingDispatcher(CPUDispatcher):
                 raise  # already private: a genuine error
             first = exc
         path = use_private_cache()
-        result = super()._compile_for_args(*args, **kws)  # a genuine error raises here again
+        try:
+            result = super()._compile_for_args(*args, **kws)
+        except CACHE_RACE_ERRORS:  # a genuine error: it was not the cache
+            _back_to_shared()
+            raise
         warnings.warn(f"mgnn: Numba's kernel cache could not be read ({type(first).__name__} "
                       f"compiling {self.py_func.__qualname__}); another process is probably "
                       f"writing it. This process now caches its kernels in {path}.",

@@ -613,8 +613,11 @@ def bench_training_steps(quick=False, cf=4, levels=3, cycles=(2, 2), repeats=5, 
     step's time x (W_fwd + W_adj + N) / 3N, where W is the solve's propagator steps in fine-step
     equivalents (:func:`mgnn.mgrit.cycle_work` with the model's level costs, plus the final
     F-relaxation) and N the layers (time steps): the serial step does N forward steps, N
-    adjoint steps and N parameter-gradient steps. Fastest samples, interleaved rounds.
-    Returns one dict per case."""
+    adjoint steps and N parameter-gradient steps (issue 36's definition; MGRIT also
+    re-linearises its owned layers at the final states, ~N forward-equivalent evaluations that
+    the serial step gets from its forward sweep: they count against MGRIT here). float32 relu
+    models of fixed sizes (``quick``: smaller), whatever ``bench``'s other flags say. Fastest
+    samples, interleaved rounds. Returns one dict per case."""
     from ..mgrit import MGRITOptions, cycle_work, level_sizes
     rng = np.random.default_rng(seed)
     out = []

@@ -56,14 +56,19 @@ def test_half_written_shared_cache_falls_back_to_a_private_one(tmp_path):
     assert any(f.endswith(".nbi") for _, _, fs in os.walk(raced["private"]) for f in fs)
 
 
-def test_genuine_typing_error_is_still_raised(monkeypatch):
+def test_genuine_typing_error_is_still_raised(monkeypatch, tmp_path):
+    """Retried once in a private folder; when that fails too, the process goes back to the
+    shared cache (the private folder removed) and the error is raised, without a warning."""
     import warnings
+    from numba.core import config
     from numba.core.errors import TypingError
+    monkeypatch.setattr(config, "CACHE_DIR", str(tmp_path))
     monkeypatch.setitem(jit._private, "dir", None)
-    calls = []
-    monkeypatch.setattr(jit, "use_private_cache", lambda: calls.append(1))
+    tried = []
+    real = jit.use_private_cache
+    monkeypatch.setattr(jit, "use_private_cache", lambda: tried.append(real()) or tried[-1])
 
-    @jit.njit
+    @jit.njit(cache=True)
     def bad(a):
         return a.no_such_attribute
 
@@ -71,7 +76,9 @@ def test_genuine_typing_error_is_still_raised(monkeypatch):
         warnings.simplefilter("error", jit.CacheRaceWarning)  # no cache-race warning for it
         with pytest.raises(TypingError):
             bad(np.ones(2))
-    assert calls == [1]  # retried once (privately), then raised
+    assert tried == [str(tmp_path / f"pid-{os.getpid()}")]  # retried once, privately
+    assert jit.private_cache_dir() is None and config.CACHE_DIR == str(tmp_path)
+    assert not os.path.exists(tried[0])
 
 
 def test_njit_keeps_numba_options():

@@ -34,12 +34,13 @@ class _ParallelNumba:
     def __getattr__(self, name):
         from mgnn.backend import numba_cpu
 
-        def call(*args):
-            serial, numba_cpu._gates = numba_cpu._gates, numba_cpu._gates_par
+        def call(*args):  # the recurrent module reads _gates: patch it there
+            mod = numba_cpu.recurrent
+            serial, mod._gates = mod._gates, mod._gates_par
             try:
                 return getattr(numba_cpu, name)(*args)
             finally:
-                numba_cpu._gates = serial
+                mod._gates = serial
         return call
 
 

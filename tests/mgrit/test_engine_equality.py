@@ -101,3 +101,29 @@ def test_batched_spatial_transfers_equal_one_state_at_a_time(size, monkeypatch):
         np.testing.assert_array_equal(g1[k], g0[k], err_msg=k)
     for part in ("forward", "adjoint"):
         assert s1[part]["residuals"] == s0[part]["residuals"]
+
+
+@pytest.mark.parametrize("spatial", [True, False])
+def test_adjoint_reset_takes_the_new_states_on_every_level(spatial):
+    """After ``reset(new states)`` a stacked adjoint propagator linearises at the new states on
+    every level (no sigma' of the previous solve left over): equal to a fresh propagator."""
+    from mgnn.backend import get_backend
+    from mgnn.mgrit import MGRITSolver
+    from mgnn.propagators import AdjointPropagator, SpatialAdjointPropagator
+    bk, N, shape = get_backend("numpy"), 8, (2, 2, 7, 7)
+    model = mgnn.conv_resnet(1, 2, (7, 7), 3, N, seed=3)
+    U1, U2 = ([np.tanh(r.standard_normal(shape)) for _ in range(N + 1)]
+              for r in (np.random.default_rng(1), np.random.default_rng(2)))
+    lam = np.random.default_rng(0).standard_normal(shape)
+    opts = MGRITOptions(cf=2, max_levels=3, max_iter=2, tol=0.0, warn_not_converged=False)
+    cls, kw = ((SpatialAdjointPropagator, {"spatial_levels": (0,)}) if spatial
+               else (AdjointPropagator, {}))
+    prop = cls(model, U1, [None] * N, bk, **kw)
+    solver = MGRITSolver(prop, N, opts)
+    solver.solve(lam)
+    assert solver.engine.stacked
+    prop.reset(U2, [None] * N)
+    reused = solver.solve(lam)
+    fresh = MGRITSolver(cls(model, U2, [None] * N, bk, **kw), N, opts).solve(lam)
+    for a, b in zip(reused.states, fresh.states):
+        np.testing.assert_array_equal(a, b)

@@ -2,7 +2,8 @@
 parameter gradients of every owned layer from the solvers' stores, one call each."""
 
 from ..blas_threads import one_blas_thread
-from .dense import WIDE, _dense_deriv, _dense_vjp_params, _wide
+from . import dense as _dense_module
+from .dense import _dense_deriv, _dense_vjp_params, _wide
 from .dense import dense_deriv, dense_vjp_params  # noqa: F401 -- stacked_grad_loops' singles
 from .conv import _blocks, _conv_forward_all, _conv_vjp_all
 from .conv import conv_deriv, conv_vjp_params  # noqa: F401 -- stacked_grad_loops' singles
@@ -67,7 +68,7 @@ def _stacked_grads():
         count = check_stacked_grads("dense", U, u_first, count, gW, layer0, D, gb, L, l_first,
                                     l_stride)
         args = (L, l_first, l_stride, D, U, u_first, count, layer0, U.dtype.type(h), gW, gb)
-        if count and U[0].size >= WIDE:
+        if count and U[0].size >= _dense_module.WIDE:  # read at call time, as _wide reads it
             return loops["dense_vjp_params_stacked"](*args)
         _dense_vjp_params_stacked(*args)
 
