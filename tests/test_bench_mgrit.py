@@ -122,8 +122,9 @@ def test_training_steps_of_every_kind_against_their_algorithmic_work():
     the MGRIT step over serial x (W_fwd + W_adj + N) / 3N."""
     from mgnn.mgrit import cycle_work, level_sizes
     from mgnn.studies.bench import bench_training_steps, format_training_steps
-    rows = bench_training_steps(quick=True, repeats=1, rounds=1)
-    assert len(rows) == 6 and all(r["engines"] == ["StackedEngine"] for r in rows)
+    # two of the six cases (every kind's engine: tests/mgrit/test_engine_equality.py)
+    rows = bench_training_steps(quick=True, repeats=1, rounds=1, cases=("dense w=16", "conv"))
+    assert len(rows) == 2 and all(r["engines"] == ["StackedEngine"] for r in rows)
     dense = rows[0]
     N = dense["layers"]
     sizes = level_sizes(N, 4, 3, 1)
@@ -137,4 +138,4 @@ def test_training_steps_of_every_kind_against_their_algorithmic_work():
             3 * r["layers"])
         assert r["algorithmic_s"] == pytest.approx(algorithmic)
         assert r["ratio"] == pytest.approx(r["mgrit_s"] / algorithmic)
-    assert format_training_steps(rows).count("\n") == 6
+    assert format_training_steps(rows).count("\n") == 2

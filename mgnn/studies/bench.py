@@ -606,7 +606,7 @@ def _training_step_cases(quick):
 
 
 def bench_training_steps(quick=False, cf=4, levels=3, cycles=(2, 2), repeats=5, rounds=4,
-                         seed=0, threads=1):
+                         seed=0, threads=1, cases=None):
     """Whole training steps of each model kind on one process (threads pinned to 1 by default):
     the MGRIT step (``levels`` levels, ``cf``, F on level 0 and FCF below, ``cycles`` forward /
     adjoint cycles, skipped down-cycle, no guard) against its algorithmic work, the serial
@@ -617,12 +617,15 @@ def bench_training_steps(quick=False, cf=4, levels=3, cycles=(2, 2), repeats=5, 
     re-linearises its owned layers at the final states, ~N forward-equivalent evaluations that
     the serial step gets from its forward sweep: they count against MGRIT here). float32 relu
     models of fixed sizes (``quick``: smaller), whatever ``bench``'s other flags say. Fastest
-    samples, interleaved rounds. Returns one dict per case."""
+    samples, interleaved rounds. ``cases``: the labels to run (prefixes; None: all). Returns one
+    dict per case."""
     from ..mgrit import MGRITOptions, cycle_work, level_sizes
     rng = np.random.default_rng(seed)
     out = []
     with _thread_setting(threads):
         for label, build, xshape, kw in _training_step_cases(quick):
+            if cases is not None and not any(label.startswith(c) for c in cases):
+                continue
             model = build()
             x = rng.standard_normal(xshape).astype(model.dtype)
             y = rng.integers(0, 10, xshape[0])
