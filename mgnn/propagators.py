@@ -37,12 +37,7 @@ class ForwardPropagator:
         # recurrent kinds: stacked kernels of their own (layer-indexed, shared weights)
         self._layered = not fused and callable(getattr(self.kind, "chains_forward_layers",
                                                        None)) and self.kind.can_stack(bk)
-        # composed kinds (batch norm, dropout): the stacked protocol over single steps
-        self._stepped = not fused and not self._layered and _has_stacked(bk)
-        self.stacked = (fused and _has_stacked(bk)) or self._layered or self._stepped
-        self.captures = self.stacked and not self._stepped and self.kind.can_replay(bk)
-        self.graphs = (self.stacked and not self._stepped
-                       and bool(getattr(bk, "graphs", False)))
+        _set_engine_flags(self, fused, bk)
         self.replicas = {}
 
     def solve_context(self):
@@ -155,12 +150,7 @@ class AdjointPropagator:
         # recurrent kinds: stacked adjoint kernels of their own, on a StackedLinearization D
         self._layered = not fused and callable(getattr(self.kind, "chains_adjoint_layers",
                                                        None)) and self.kind.can_stack_adjoint(bk)
-        # composed kinds (batch norm, dropout): the stacked protocol over single steps
-        self._stepped = not fused and not self._layered and _has_stacked(bk)
-        self.stacked = (fused and _has_stacked(bk)) or self._layered or self._stepped
-        self.captures = self.stacked and not self._stepped and self.kind.can_replay(bk)
-        self.graphs = (self.stacked and not self._stepped
-                       and bool(getattr(bk, "graphs", False)))
+        _set_engine_flags(self, fused, bk)
         self.derivs, self.d0 = None, 0  # sigma' of layers d0, d0 + 1, ... as one array
         self.replicas = {}
 
@@ -475,6 +465,18 @@ class SpatialAdjointPropagator(_SpatialLevels, AdjointPropagator):
         h = self.dtype.type((stop - start) * self.h)
         _, cache = self._coarse_cache(n, k)
         return self.kind.vjp_state_layer(self.P, n, cache, lam, h, self.bk, self.ctx)
+
+
+def _set_engine_flags(prop, fused, bk):
+    """The engine attributes of a network propagator, from its kind and backend: ``stacked``
+    (fused kinds with the backend's stacked kernels, recurrent kinds with their own
+    (``_layered``), other kinds through the stacked protocol over single steps
+    (``_stepped``)), ``captures`` and ``graphs`` (not for the stepped protocol)."""
+    prop._stepped = not fused and not prop._layered and _has_stacked(bk)
+    prop.stacked = (fused and _has_stacked(bk)) or prop._layered or prop._stepped
+    kernels = prop.stacked and not prop._stepped
+    prop.captures = kernels and prop.kind.can_replay(bk)
+    prop.graphs = kernels and bool(getattr(bk, "graphs", False))
 
 
 def _stepped_advance(prop, U, G, chains, origin, stride, level):
