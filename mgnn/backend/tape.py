@@ -410,13 +410,19 @@ def _conflict(rd1, wr1, rd2, wr2):
     return bool(wr1 & (rd2 | wr2)) or bool(wr2 & rd1)
 
 
-def read_sources(rows):
+def stores_read(rows):
+    """The stores ``rows`` read (tape store indices)."""
+    return {s for _, _, rd, _, _ in _events(rows) for s, _ in rd}
+
+
+def read_sources(rows, read_elsewhere=frozenset()):
     """``rows`` reading each injected state where it was injected from, where that is the same
     bits (the copy's source not written since): a carried correction ``u + (uc - v)`` with v the
     copy of u reads u itself (CORR_R = -1), a shared step's coarse right-hand side reads the fine
     C-point instead of its copy. A coarse store (not the level-0 store 0) that no row reads then
     is not written either (its injections write only the coarse iterate): a copy that is never
-    read costs a pass over the level's states. Rows of COPY calls: unchanged."""
+    read costs a pass over the level's states; ``read_elsewhere``: the stores that the rest of a
+    tape cut in segments reads (their copies stay). Rows of COPY calls: unchanged."""
     rows = [list(r) for r in rows]
     if any(r[OP] == COPY for r in rows):
         return rows
@@ -442,7 +448,7 @@ def read_sources(rows):
                 copies[key] = (cp[key], i)
             else:
                 copies.pop(key, None)
-    read = {s for _, _, rd, _, _ in _events(rows) for s, _ in rd}
+    read = stores_read(rows) | set(read_elsewhere)
     for r in rows:
         if r[OP] == INJECT and r[R] > 0 and r[R] not in read and r[G] >= 0:
             r[R], r[G] = r[G], -1
@@ -475,8 +481,9 @@ def _events(rows):
     return out
 
 
-def rewrite_copies(rows):
+def rewrite_copies(rows, read_elsewhere=frozenset()):
     """``rows`` after the copy rewrites, in the order they rely on: :func:`fuse_copies` (items
     onto the chains ending at their slots), :func:`read_sources` (reads at the source, dead
-    copies dropped), then :func:`zip_calls` (FAS points paired with their chains)."""
-    return zip_calls(read_sources(fuse_copies(rows)))
+    copies dropped; ``read_elsewhere`` as there), then :func:`zip_calls` (FAS points paired
+    with their chains)."""
+    return zip_calls(read_sources(fuse_copies(rows), read_elsewhere))

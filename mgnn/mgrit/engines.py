@@ -43,6 +43,13 @@ def describe(v):
             f"{getattr(v, 'dtype', None)}")
 
 
+class _Done:
+    """A completed request (the no-overlap baseline waits for a receive at once)."""
+
+    def Wait(self):
+        return None
+
+
 class Plan:
     """The fixed index structure of one sweep kind on one level of one rank (built once).
 
@@ -319,6 +326,37 @@ class ListEngine:
         phi = msg.copy() if mode == PLAIN and G is None else msg
         return self.combine(U, G, R, [1], [out], [phi], mode)
 
+    # halo messages (the solver's sweeps post, send and consume them through these calls, so
+    # that a captured cycle can replay them between its kernel calls)
+    def post_recv(self, lev, source, tag_):
+        """Start receiving level ``lev``'s boundary value from ``source``; a token."""
+        return self.solver.halo.irecv(self.solver._templates[lev], source, tag_)
+
+    def complete_recv(self, token):
+        """The receive ``token`` completed now (the no-overlap baseline); a token."""
+        return (_Done(), self.solver.halo.wait(token), time.perf_counter())
+
+    def send_boundary(self, lev, U, plan, dest, tag_):
+        """Start sending what the right neighbour receives (:meth:`boundary`); a token."""
+        return self.solver.halo.isend(self.boundary(lev, U, self.solver.pull, plan), dest, tag_)
+
+    def recv_ghost(self, token, U):
+        """Wait for the received state u_{a-1} and hold it in U's left ghost slot (pull)."""
+        self.set(U, 0, self.solver.halo.wait(token), copy=False)
+
+    def recv_combine(self, token, lev, U, G, R, mode, out):
+        """Wait for the received Phi(u_{a-1}) and combine it by ``mode`` into R's slot ``out``
+        (push, :meth:`combine_message`); the squared norm (mode 0)."""
+        return self.combine_message(lev, U, G, R, self.solver.halo.wait(token), mode, out)
+
+    def wait_send(self, token):
+        """Wait until a send started by :meth:`send_boundary` has left its buffer."""
+        self.solver.halo.wait(token)
+
+    def host_call(self, fn, stores):
+        """``fn(stores)``: a host operation on whole stores (a collective)."""
+        return fn(stores)
+
 
 class StackedStates(Sequence):
     """The level-0 states of a stacked solve by fine index 0..n (views of the store, made on
@@ -372,30 +410,62 @@ _REPLAYED_CORRECTIONS = (GenericOps.correct_strided, NumbaOps.correct_strided)
 
 
 class _Norm(float):
-    """A squared residual norm computed while a cycle is captured: the tape's ``norms`` slot it
-    is replayed into (a sum of two is a plain float, which the tape cannot replay)."""
+    """A squared residual norm computed while a cycle is captured: the tape's ``norms`` slots
+    whose sum it is replayed as (a sum of such norms is one again; a plain float other than
+    0.0 in a sum is a value the tape cannot replay)."""
 
-    def __new__(cls, value, index):
+    def __new__(cls, value, indices):
         out = super().__new__(cls, value)
-        out.index = index
+        out.indices = tuple(indices)
         return out
+
+    def __add__(self, other):
+        if isinstance(other, _Norm):
+            return _Norm(float(self) + float(other), self.indices + other.indices)
+        if type(other) is float and other == 0.0:  # a rank's empty share
+            return _Norm(float(self) + other, self.indices)
+        return float(self) + other
+
+    def __radd__(self, other):
+        if type(other) is float and other == 0.0:
+            return _Norm(other + float(self), self.indices)
+        return other + float(self)
 
 
 def _replayed(result, norms):
-    """A replayed cycle's return value: as captured (("const", v) or None) or its norm."""
-    if isinstance(result, tuple):
+    """A replayed cycle's return value: as captured (("const", v) or None) or its norm, the
+    sum of the ``norms`` slots it was captured as (in the captured order)."""
+    if result is None:
+        return None
+    if result[0] == "const":
         return result[1]
-    return None if result is None else _Norm(float(norms[result]), result)
+    total = 0.0
+    for i in result:
+        total = total + float(norms[i])
+    return _Norm(total, result)
+
+
+class _Action:
+    """A host operation of a captured cycle (a halo message, a collective), replayed between
+    the tape's row segments as it ran: ``fn(stores, pending, *args)`` with the tape's stores
+    named by index, its value into ``norms[norm]`` (norm >= 0)."""
+
+    __slots__ = ("fn", "stores", "args", "norm")
+
+    def __init__(self, fn, stores, args, norm):
+        self.fn, self.stores, self.args, self.norm = fn, stores, args, norm
 
 
 class Tape:
     """A captured cycle (:mod:`mgnn.backend.tape`): the rows, the stores they name (item 0: the
     level-0 store, rebound at every replay), the step sizes, how many norms, and where the
-    cycle's return value comes from (``result``: a norms index, or None / 0.0 as captured)."""
+    cycle's return value comes from (``result``: a tuple of norms indices, or None / ("const",
+    0.0) as captured). A cycle with halo messages has ``parts``: row segments (int64 arrays)
+    and :class:`_Action` items in the order they ran (``rows`` is then None)."""
 
-    def __init__(self, rows, stores, hs, n_norms, result, key):
+    def __init__(self, rows, stores, hs, n_norms, result, key, parts=None):
         self.rows, self.stores, self.hs, self.n_norms = rows, stores, hs, n_norms
-        self.result, self.key = result, key
+        self.result, self.key, self.parts = result, key, parts
         self.replays = 0
         self.bound = None  # the stores in the propagator's form (built at the first replay)
 
@@ -407,12 +477,26 @@ class _Recorder:
         self.engine, self.rows, self.hs, self.n_norms = engine, [], {}, 0
         self.stores, self.ids = [U0], {id(U0): 0}
         self.broken = None  # why this cycle cannot be replayed
+        self.parts = []  # finished row segments and the host actions between them
+        self.tokens = 0  # halo requests started so far (their tokens at replay)
+
+    def cut(self, action):
+        """End the current row segment; ``action`` runs after it."""
+        if self.rows:
+            self.parts.append(self.rows)
+            self.rows = []
+        self.parts.append(action)
+
+    def norm(self):
+        """A new index into the tape's norms."""
+        self.n_norms += 1
+        return self.n_norms - 1
 
     def _persistent(self, a):
         """Whether ``a`` is one of the engine's level stores (kept for the engine's lifetime;
         the scratch buffers that grow are not)."""
         for key, v in self.engine._scratch.items():
-            if key[0] in ("coarse", "residual") and any(
+            if key[0] in ("coarse", "residual", "send") and any(
                     x is a for x in (v if isinstance(v, tuple) else (v,))):
                 return True
         return False
@@ -443,9 +527,7 @@ class _Recorder:
         """Rows of one advance (CHAIN) or points (POINT) call."""
         layer0, lstep, h = self.engine.prop.tape_layers(origin, stride, lev)
         u, g, r, hk = self.store(U), self.store(G), self.store(R), self.h(h)
-        norm = -1
-        if op == T.POINT and mode == RESIDUAL:
-            norm, self.n_norms = self.n_norms, self.n_norms + 1
+        norm = self.norm() if op == T.POINT and mode == RESIDUAL else -1
         for q, (f, n, o) in enumerate(zip(firsts, lens, outs)):
             self.row(op, len(firsts) if q == 0 else 1, U=u, G=g, R=r, FIRST=f, N=n, OUT=o,
                      LAYER0=layer0, LSTEP=lstep, H=hk, MODE=mode, NORM=norm)
@@ -454,20 +536,36 @@ class _Recorder:
     def finish(self, result, key, xp):
         """The :class:`Tape`, or None if this cycle cannot be replayed."""
         if isinstance(result, _Norm):
-            result = result.index
-        elif result is not None and result != 0.0:  # one rank: a plain float is a literal 0.0
+            result = result.indices
+        elif result is None or result == 0.0:  # a plain 0.0: a rank's share with no norm
+            result = None if result is None else ("const", result)
+        else:
             self.broken = "the cycle returned a sum of residual norms"
         if self.broken:
             return None
         dtype = self.stores[0].dtype  # the capture's level-0 store
         hs = np.array([h for h, _ in sorted(self.hs.items(), key=lambda kv: kv[1])],
                       dtype=dtype)
-        rows = T.share_first_steps(T.fuse_tails(self.rows))
-        rows = T.rewrite_copies(rows)
-        rows = np.array(rows, dtype=np.int64).reshape(-1, T.COLS)
         stores = [None] + self.stores[1:]  # item 0: the level-0 store of each replay
-        return Tape(rows, stores, hs, self.n_norms,
-                    result if isinstance(result, int) else ("const", result), key)
+        if self.rows or not self.parts:
+            self.parts.append(self.rows)
+        parts = [p if isinstance(p, _Action) else T.share_first_steps(T.fuse_tails(p))
+                 for p in self.parts]
+        # a segment's copy rewrites may drop a copy only if no other part reads its store
+        reads = [set(p.stores) if isinstance(p, _Action) else T.stores_read(p) for p in parts]
+        parts = [p if isinstance(p, _Action) else _segment(
+            p, set().union(*(r for j, r in enumerate(reads) if j != k)))
+            for k, p in enumerate(parts)]
+        if len(parts) == 1:
+            return Tape(parts[0], stores, hs, self.n_norms, result, key)
+        return Tape(None, stores, hs, self.n_norms, result, key, parts)
+
+
+def _segment(rows, read_elsewhere):
+    """A segment's rows as a tape's int64 array, its copies rewritten
+    (:func:`mgnn.backend.tape.rewrite_copies`)."""
+    rows = T.rewrite_copies(rows, read_elsewhere)
+    return np.array(rows, dtype=np.int64).reshape(-1, T.COLS)
 
 
 class StackedEngine(ListEngine):
@@ -489,13 +587,15 @@ class StackedEngine(ListEngine):
         self.xp = xp
         self._scratch = {}
         self._rec = None  # the recorder of a cycle being captured
+        self._pending, self._requests = {}, 0  # halo requests by token (see post_recv)
 
     # capture (mgnn.backend.tape): a fixed cycle recorded once, then replayed in one call
     def can_capture(self):
         """Whether this engine's cycles can be captured: host stores, a propagator that replays
-        tapes (``run_tape`` and ``tape_layers``), one rank, one state shape on every level."""
+        tapes (``run_tape`` and ``tape_layers``), one state shape on every level; on several
+        ranks, messages that overlap the work (the tape replays them between its segments)."""
         s, prop = self.solver, self.prop
-        return (self.xp is np and s.halo.size == 1 and not s._spatial
+        return (self.xp is np and (s.halo.size == 1 or s.overlap) and not s._spatial
                 and bool(getattr(prop, "captures", False))
                 and _one_class(type(prop), ("advance", "points", "run_tape", "tape_layers"))
                 and type(s.ops).correct_strided in _REPLAYED_CORRECTIONS)
@@ -535,7 +635,8 @@ class StackedEngine(ListEngine):
                     r[T.NORM] += n_norms
                 r[T.ZIP] = 0  # zipped again below, with what the seams' copies add
                 rows.append(r)
-            results.append(t.result + n_norms if isinstance(t.result, int) else t.result)
+            results.append(t.result if t.result is None or t.result[0] == "const" else
+                           tuple(i + n_norms for i in t.result))
             hs += t.hs.tolist()
             n_norms += t.n_norms
         rows = T.rewrite_copies(rows)
@@ -550,9 +651,22 @@ class StackedEngine(ListEngine):
         stores = tape.bound
         stores[0] = U0
         norms = np.zeros(max(tape.n_norms, 1))
-        t0 = time.perf_counter()
-        self.prop.run_tape(stores, tape.rows, tape.hs, norms)
-        self.solver._step_seconds += time.perf_counter() - t0
+        if tape.parts is None:
+            t0 = time.perf_counter()
+            self.prop.run_tape(stores, tape.rows, tape.hs, norms)
+            self.solver._step_seconds += time.perf_counter() - t0
+        else:  # row segments and the halo messages between them, in the captured order
+            arrays, pending = [U0] + tape.stores[1:], {}
+            for part in tape.parts:
+                if isinstance(part, _Action):
+                    value = part.fn([None if i < 0 else arrays[i] for i in part.stores],
+                                    pending, *part.args)
+                    if part.norm >= 0:
+                        norms[part.norm] = value
+                else:
+                    t0 = time.perf_counter()
+                    self.prop.run_tape(stores, part, tape.hs, norms)
+                    self.solver._step_seconds += time.perf_counter() - t0
         tape.replays += 1
         if isinstance(tape.result, list):
             return [_replayed(r, norms) for r in tape.result]
@@ -735,18 +849,87 @@ class StackedEngine(ListEngine):
             norm = self._rec.steps(T.POINT, U, G, R, slots, [1] * len(slots), out_slots, origin,
                                    stride, lev, mode)
             if norm >= 0:
-                r2 = _Norm(r2, norm)
+                r2 = _Norm(r2, (norm,))
         return r2
 
-    def boundary(self, lev, U, pull, plan):
-        self._uncaptured("a halo message")
+    # halo messages: while a cycle is captured, each is a host action of the tape (run now,
+    # replayed between the row segments around it); the rows that make a boundary value are
+    # steps into the level's send buffer, a store of the tape
+    def _host(self, fn, stores, args, norm=False):
+        """``fn(stores, pending, *args)`` now (recording suspended), and while capturing an
+        :class:`_Action` of the tape (its value a new norm if ``norm``)."""
+        rec, self._rec = self._rec, None
+        try:
+            value = fn(stores, self._pending, *args)
+        finally:
+            self._rec = rec
+        if rec is not None:
+            index = rec.norm() if norm else -1
+            rec.cut(_Action(fn, [rec.store(a) for a in stores], args, index))
+            if norm:
+                value = _Norm(value, (index,))
+        return value
+
+    def _token(self):
+        """The key of a new halo request in the pending table (the tape's own while capturing:
+        the same keys at every replay)."""
+        if self._rec is not None:
+            self._rec.tokens += 1
+            return ("tape", self._rec.tokens)
+        self._requests += 1
+        return self._requests
+
+    def _irecv(self, S, pending, token, lev, source, tag_):
+        s = self.solver
+        pending[token] = s.halo.irecv(s._templates[lev], source, tag_)
+
+    def _isend(self, S, pending, token, slot, dest, tag_):
+        pending[token] = self.solver.halo.isend(S[0][slot], dest, tag_)
+
+    def _ghost(self, S, pending, token):
+        S[0][0] = self.solver.halo.wait(pending.pop(token))
+
+    def _combined(self, S, pending, token, lev, mode, out):
+        msg = self.solver.halo.wait(pending.pop(token))
+        return self._combine_message(lev, S[0], S[1], S[2], msg, mode, out)
+
+    def _waited(self, S, pending, token):
+        self.solver.halo.wait(pending.pop(token))
+
+    def post_recv(self, lev, source, tag_):
+        token = self._token()
+        self._host(self._irecv, [], (token, lev, source, tag_))
+        return token
+
+    def complete_recv(self, token):
+        self._uncaptured("a message without overlap")
+        self._pending[token] = (_Done(), self.solver.halo.wait(self._pending[token]),
+                                time.perf_counter())
+        return token
+
+    def send_boundary(self, lev, U, plan, dest, tag_):
         L = self.solver.levels[lev]
-        if pull:
-            return U[L.m]
-        buf = self._send_buffer(lev, U)
-        # the step out of b-1 into the spare last slot's place, written to the send buffer
-        self.points(lev, U, None, buf, [L.b], [0], PLAIN, plan, ("boundary",))
-        return buf[0]
+        if self.solver.pull:
+            store, slot = U, L.m
+        else:  # the step out of b-1 into the spare last slot's place, into the send buffer
+            store, slot = self._send_buffer(lev, U), 0
+            self.points(lev, U, None, store, [L.b], [0], PLAIN, plan, ("boundary",))
+        token = self._token()
+        self._host(self._isend, [store], (token, slot, dest, tag_))
+        return token
+
+    def recv_ghost(self, token, U):
+        self._host(self._ghost, [U], (token,))
+
+    def recv_combine(self, token, lev, U, G, R, mode, out):
+        return self._host(self._combined, [U, G, R], (token, lev, mode, out),
+                          norm=mode == RESIDUAL)
+
+    def wait_send(self, token):
+        self._host(self._waited, [], (token,))
+
+    def host_call(self, fn, stores):
+        return self._host(lambda S, pending: fn(S), stores, ())
 
     def _send_buffer(self, lev, U):
         key = ("send", lev, U.shape[1:], U.dtype.str)
@@ -757,6 +940,9 @@ class StackedEngine(ListEngine):
 
     def combine_message(self, lev, U, G, R, msg, mode, out):
         self._uncaptured("a halo message")
+        return self._combine_message(lev, U, G, R, msg, mode, out)
+
+    def _combine_message(self, lev, U, G, R, msg, mode, out):
         t0 = time.perf_counter()
         r2 = 0.0
         r = R[out]

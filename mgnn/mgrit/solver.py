@@ -104,13 +104,6 @@ class _PointByPoint:
         return getattr(self._ops, name)
 
 
-class _Done:
-    """A completed request (no-overlap mode waits at once)."""
-
-    def Wait(self):
-        return None
-
-
 class _Level:
     """This rank's share of one level: points [a, b) of 0..n (point j is fine index j * s); its
     stores have m + 2 slots (point j in slot j - a + 1; slot 0 the left halo, slot m + 1 point b)."""
@@ -231,8 +224,9 @@ class MGRITSolver:
         Capture each kind of cycle (and the final relaxation) the first time it runs and replay
         it afterwards in one backend call (:mod:`mgnn.backend.tape`; same arithmetic, results
         bit-identical): with a stacked propagator that replays tapes (``captures = True``,
-        ``tape_layers``, ``tape_stores``, ``run_tape``), host states, one rank and no spatial
-        coarsening. With ``tol = 0`` (a fixed cycle count) the whole solve becomes one tape once
+        ``tape_layers``, ``tape_stores``, ``run_tape``), host states and no spatial coarsening;
+        on several ranks (with ``overlap``) the halo messages are replayed between the tape's
+        segments, in the captured order. With ``tol = 0`` on one rank (a fixed cycle count) the whole solve becomes one tape once
         each of its cycles has replayed (a divergence is then raised, with the same message,
         after the whole solve has run rather than after the cycle that diverged). A stacked
         propagator with ``graphs = True`` (``begin_graph``, ``end_graph``, ``graph_key``: a GPU
@@ -396,66 +390,66 @@ class MGRITSolver:
         chains in between (one engine call for all), overlapping both messages.
         """
         plan = self._plan(lev, name, target)
-        L, halo, eng = self.levels[lev], self.halo, self.engine
+        L, eng = self.levels[lev], self.engine
         if L.a >= L.b:
             return
         t = tag(name, lev)
-        recv = halo.irecv(self._templates[lev], L.left, t) if plan.need_left else None
-        if recv is not None and not self.overlap:
-            recv = (_Done(), halo.wait(recv), time.perf_counter())
+        recv = self._post_recv(lev, L.left, t) if plan.need_left else None
         sends = []
         if plan.early:
             if plan.tail is not None:
                 eng.advance(lev, U, G, [plan.tail], plan, ("tail",))
-            sends.append(halo.isend(eng.boundary(lev, U, self.pull, plan), L.right, t))
+            sends.append(eng.send_boundary(lev, U, plan, L.right, t))
         elif plan.tail is not None:
             eng.advance(lev, U, G, [plan.tail], plan, ("tail",))
         eng.advance(lev, U, G, plan.chains, plan, ("chains",))
         if recv is not None:
-            msg = halo.wait(recv)
             first, length = plan.head
             if self.pull:  # the halo is the step's input: the left ghost slot, then the chain
-                eng.set(U, 0, msg, copy=False)
+                eng.recv_ghost(recv, U)
                 eng.advance(lev, U, G, [plan.head], plan, ("head",))
                 eng.clear_ghost(U)
             else:  # the halo is Phi(u_{a-1}): u_a = msg + g_a, then the rest of the chain
-                eng.combine_message(lev, U, G, U, msg, PLAIN, 1)
+                eng.recv_combine(recv, lev, U, G, U, PLAIN, 1)
                 if length > 1:
                     eng.advance(lev, U, G, [[first + 1, length - 1]], plan, ("head",))
         if plan.send_right and not sends:
-            sends.append(halo.isend(eng.boundary(lev, U, self.pull, plan), L.right, t))
+            sends.append(eng.send_boundary(lev, U, plan, L.right, t))
         for req in sends:
-            halo.wait(req)
+            eng.wait_send(req)
+
+    def _post_recv(self, lev, source, t):
+        """A receive of level ``lev``'s boundary value posted (already completed without
+        ``overlap``: the baseline that waits before any local work)."""
+        recv = self.engine.post_recv(lev, source, t)
+        return recv if self.overlap else self.engine.complete_recv(recv)
 
     def _apply(self, lev, U, G, R, target, name, mode, out_slot):
         """Mode ``mode`` (:mod:`.engines`) at this rank's points j >= 1 with ``target(j)``, the
         result of point j into R's slot ``out_slot(j)``; returns this rank's squared norm (mode
         0). The step into point a needs the left halo."""
         plan = self._plan(lev, name, target)
-        L, halo, eng = self.levels[lev], self.halo, self.engine
+        L, eng = self.levels[lev], self.engine
         if L.a >= L.b:
             return 0.0
         t = tag(name, lev)
-        recv = halo.irecv(self._templates[lev], L.left, t) if plan.need_left else None
-        if recv is not None and not self.overlap:
-            recv = (_Done(), halo.wait(recv), time.perf_counter())
-        send = (halo.isend(eng.boundary(lev, U, self.pull, plan), L.right, t)
+        recv = self._post_recv(lev, L.left, t) if plan.need_left else None
+        send = (eng.send_boundary(lev, U, plan, L.right, t)
                 if plan.send_right and self.overlap else None)
         if plan.outs is None:
             plan.outs = [out_slot(j) for j in plan.points]
         r2 = eng.points(lev, U, G, R, plan.points, plan.outs, mode, plan, ("points",))
         if recv is not None:
-            msg = halo.wait(recv)
             if self.pull:
-                eng.set(U, 0, msg, copy=False)
+                eng.recv_ghost(recv, U)
                 r2 = r2 + eng.points(lev, U, G, R, [L.a], [out_slot(L.a)], mode, plan, ("head",))
                 eng.clear_ghost(U)
             else:
-                r2 = r2 + eng.combine_message(lev, U, G, R, msg, mode, out_slot(L.a))
+                r2 = r2 + eng.recv_combine(recv, lev, U, G, R, mode, out_slot(L.a))
         if plan.send_right and not self.overlap:
-            send = halo.isend(eng.boundary(lev, U, self.pull, plan), L.right, t)
+            send = eng.send_boundary(lev, U, plan, L.right, t)
         if send is not None:
-            halo.wait(send)
+            eng.wait_send(send)
         return r2
 
     def _f_relax(self, U, G, lev, name="f_relax"):
@@ -479,10 +473,15 @@ class MGRITSolver:
         if counts is None:
             counts = self._gather_counts[lev] = tuple(
                 np.array(v, dtype=np.int64) for v in self.partition.level_counts(L.s, L.n))
-        self.redundant_solves += 1
-        FU, FG = eng.gather_level(lev, U, G, *counts, L.n)
-        eng.replica_advance(replica, lev, FU, FG, L.n, self._plan(lev, "redundant", None))
-        eng.scatter_back(lev, FU, U)
+        plan = self._plan(lev, "redundant", None)
+
+        def solve_redundantly(stores):  # a replayed cycle runs it again: the replica of now
+            self.redundant_solves += 1
+            FU, FG = eng.gather_level(lev, stores[0], stores[1], *counts, L.n)
+            eng.replica_advance(self.prop.coarse_replica(lev), lev, FU, FG, L.n, plan)
+            eng.scatter_back(lev, FU, stores[0])
+
+        eng.host_call(solve_redundantly, [U, G])
 
     def _coarse_range(self, lev, i0):
         """(fine slot, coarse slot, count) of the coarse points i0 .. C.b - 1 held here: as
@@ -708,7 +707,8 @@ class MGRITSolver:
             # a fixed cycle count whose cycles all replayed once: from then on the whole solve
             # is one tape (one kernel call; copies fused across the cycles' seams)
             self._replayed, whole = [], None
-            if o.tol == 0 and self.capture and eng.stacked and eng.can_capture():
+            if (o.tol == 0 and self.capture and eng.stacked and eng.can_capture()
+                    and self.halo.size == 1):  # several ranks: one tape per cycle (messages)
                 whole = ("solve", o.max_iter, o.skip_downcycle, U.shape, U.dtype.str,
                          self.prop.tape_key())
             outs = eng.replay(self._tapes[whole], U) if self._tapes.get(whole) else None
