@@ -362,3 +362,18 @@ def test_training_steps_with_replayed_cycles_equal_the_engine(kind, rng):
         assert la == lb
         for k in ga:
             np.testing.assert_array_equal(ga[k], gb[k])
+
+
+def test_run_tape_checks_its_arguments_once_per_store_list_and_types():
+    """A tape cut by halo messages replays one call per segment, so the argument check is
+    memoised per store list and argument types: a mismatch is still a TypeError every time."""
+    bk = get_backend("numba")
+    stores = bk.stores_list([np.zeros((3, 2, 4), np.float32)])
+    rows, hs, norms = np.zeros((0, T.COLS), np.int64), np.zeros(1, np.float32), np.zeros(1)
+    W, b = np.zeros((2, 4, 4), np.float32), np.zeros((2, 4), np.float32)
+    for _ in range(2):
+        with pytest.raises(TypeError, match=r"dense tape \(adjoint=False\): W float64"):
+            bk.dense_run_tape(stores, rows, hs, W.astype(np.float64), b, 0, 0, False, norms)
+        bk.dense_run_tape(stores, rows, hs, W, b, 0, 0, False, norms)  # matching: runs
+    with pytest.raises(TypeError, match="adjoint=True"):  # b is not a sigma' stack
+        bk.dense_run_tape(stores, rows, hs, W, b, 0, 2, True, norms)

@@ -224,13 +224,18 @@ def stores_list(stores):
 def _run_tape(kind, stores, ops, hs, W, P, d0, act, adjoint, norms, parallel=None):
     """Replay ``ops`` (mgnn.backend.tape) on ``stores`` (:func:`stores_list`) with the layers W
     and b (forward) or sigma' D from layer d0 (adjoint); squared norms added into ``norms``."""
-    U0 = stores[0]
-    if (W.dtype != U0.dtype or P.dtype != U0.dtype or hs.dtype != U0.dtype
-            or U0.ndim != _STACKED_NDIM[kind] or bool(adjoint) != (P.ndim > 2)):
-        raise TypeError(f"{kind} tape (adjoint={adjoint}): W {W.dtype}, P {P.dtype} "
-                        f"{P.shape}, hs {hs.dtype} for {U0.ndim}-d stores of {U0.dtype} (the "
-                        "steps are picked by P: b (N, c) forward, sigma' (layers, *state) "
-                        "adjoint)")
+    key = (id(stores), kind, W.dtype.char, P.dtype.char, P.ndim, hs.dtype.char, bool(adjoint))
+    if key not in _CHECKED:  # a typed list's item type is fixed: one check per list suffices
+        U0 = stores[0]
+        if (W.dtype != U0.dtype or P.dtype != U0.dtype or hs.dtype != U0.dtype
+                or U0.ndim != _STACKED_NDIM[kind] or bool(adjoint) != (P.ndim > 2)):
+            raise TypeError(f"{kind} tape (adjoint={adjoint}): W {W.dtype}, P {P.dtype} "
+                            f"{P.shape}, hs {hs.dtype} for {U0.ndim}-d stores of {U0.dtype} "
+                            "(the steps are picked by P: b (N, c) forward, sigma' (layers, "
+                            "*state) adjoint)")
+        if len(_CHECKED) >= 256:
+            _CHECKED.clear()
+        _CHECKED[key] = stores  # kept alive, so that its id stays its own
     if parallel is None:
         parallel = numba.get_num_threads() > 1
     _call_driver(_tape_par if parallel else _tape, parallel or kind == "conv", stores, ops, hs,
@@ -238,6 +243,9 @@ def _run_tape(kind, stores, ops, hs, W, P, d0, act, adjoint, norms, parallel=Non
 
 
 _STACKED_NDIM = {"dense": 3, "conv": 5}
+#: The checks :func:`_run_tape` passed, by store list and argument types (a tape cut by halo
+#: messages runs one call per segment: a typed list's item read costs microseconds).
+_CHECKED = {}
 
 
 def dense_run_tape(stores, ops, hs, W, P, d0, act, adjoint, norms, parallel=None):
