@@ -24,8 +24,10 @@ run: $(STAMP)
 	    --optimizer adam --dtype float32 --backend numba --seed 0 \
 	    --levels 3 --cf 4 --fwd-iters 2 --bwd-iters 1 --skip-downcycle --timings
 
+# Two pytest workers (this project's CI machine has 2 cores); TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal tests
 
 # Fast asv profile, offline, on the existing environment (full runs: docs/benchmarks.md).
 bench: $(STAMP)
