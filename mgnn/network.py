@@ -203,6 +203,7 @@ class LayerParallel:
         self.stats = {}
         self._previous_states = None
         self._solvers = {}
+        self._kept = None  # the last forward solve's linearisation caches (composed kinds)
         self._replica_buffers, self._replica_seconds = {}, 0.0
         self._arrays = {}  # per-shape arrays reused by every step (:meth:`_reused`)
         #: the guard's "iterate further" options (kept alive: solvers are cached by their id)
@@ -410,6 +411,7 @@ class LayerParallel:
             if self.warm_start:
                 self._previous_states = (res.states, st.batch)
         st.U, st.store = res.states, res.store
+        st.kept, self._kept = self._kept, None
 
     def _linearize(self, st, bwd):
         """The linearisation caches D[n] of the owned layers at the final forward states:
@@ -434,8 +436,11 @@ class LayerParallel:
                                             self._reused)
         elif not m.step.fused:
             st.D = [None] * N
+            kept = st.kept or {}  # the final sweep's caches: all but the steps into C-points
             for n in owned:
-                st.D[n] = m.step.linearize(steps, n, U[n], bk, self.ctx)
+                cache = kept.get(n)
+                st.D[n] = m.step.linearize(steps, n, U[n], bk, self.ctx) if cache is None \
+                    else cache
             self._commit_buffers(owned, st.D)
         elif st.stacked:
             st.derivs = self._reused("derivs", (len(owned),) + st.template.shape,
@@ -654,7 +659,19 @@ class LayerParallel:
             u0, d_open = self._reused("zeros", m.step.state_shape(x.shape[0]), m.dtype), None
         solver = self._solver("forward", opts)
         self._refresh_replica(solver)
-        res = solver.solve(u0, guess)
+        prop = solver.prop
+        # composed kinds: the level-0 steps keep their linearisation caches; those of the last
+        # sweep (the final F-relaxation, or the one sequential sweep) are at the final states
+        keep = (isinstance(m.step, ComposedStep) and isinstance(prop, ForwardPropagator)
+                and self.ctx.training)
+        prop.kept = {} if keep else None
+        try:
+            res = solver.solve(u0, guess)
+        finally:
+            kept, prop.kept = prop.kept, None
+        cf, single = solver.options.cf, len(solver.sizes) == 1
+        self._kept = None if not keep else {
+            n: c for n, c in kept.items() if single or (n + 1) % cf != 0}
         return res, d_open
 
     # -------------------------------------------------------------------- the gradient guard
@@ -1208,6 +1225,7 @@ class _Step:
         self.steps = lp.model.step_params()
         self.owned = lp.layers
         self.derivs = None
+        self.kept = None  # linearisation caches of the forward solve's last sweep, by layer
         self.loss_part = 0.0
 
     def add(self, result):

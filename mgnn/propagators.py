@@ -39,6 +39,9 @@ class ForwardPropagator:
                                                        None)) and self.kind.can_stack(bk)
         _set_engine_flags(self, fused, bk)
         self.replicas = {}
+        # {layer n: linearisation cache} of the level-0 steps out of n while a dict (composed
+        # kinds: LayerParallel keeps the final F-relaxation's instead of evaluating them again)
+        self.kept = None
 
     def solve_context(self):
         """What a solve runs in: one BLAS thread while Numba's threads run the chains of a
@@ -113,6 +116,10 @@ class ForwardPropagator:
     def step(self, u, start, stop, level):
         """State at fine index ``stop`` from ``u`` at ``start``: u + (stop-start) h F(u; theta_start)."""
         h = self.dtype.type((stop - start) * self.h)
+        if self.kept is not None and level == 0:  # the same arithmetic, its cache kept
+            out, self.kept[start] = self.kind.forward_linearize(self.P, start, u, h, self.bk,
+                                                                self.ctx)
+            return out
         return self.kind.forward_layer(self.P, start, u, h, self.bk, self.ctx)
 
 
