@@ -105,7 +105,8 @@ class LayerParallel:
         'injection'. The adjoint solve uses the transposes (P^T to restrict, R^T to correct).
     capture : bool
         Replay fixed MGRIT cycles from a capture (``MGRITSolver(capture=)``: one Numba call per
-        cycle on the CPU, or per segment between halo messages on several layer ranks; a CUDA
+        cycle on the CPU, or per segment between the overlapping halo messages of several
+        layer ranks; a CUDA
         graph launch on a GPU with one layer rank; no spatial coarsening; results identical).
         Default True.
     guard : {'auto', 'off'}, None or GradientGuard

@@ -487,6 +487,11 @@ class _Recorder:
             self.rows = []
         self.parts.append(action)
 
+    def before_segment(self, action):
+        """``action`` before the current row segment (it touches no store: posting a receive
+        earlier changes nothing but keeps the segment whole for the row rewrites)."""
+        self.parts.append(action)
+
     def norm(self):
         """A new index into the tape's norms."""
         self.n_norms += 1
@@ -556,7 +561,7 @@ class _Recorder:
         parts = [p if isinstance(p, _Action) else _segment(
             p, set().union(*(r for j, r in enumerate(reads) if j != k)))
             for k, p in enumerate(parts)]
-        if len(parts) == 1:
+        if len(parts) == 1 and not isinstance(parts[0], _Action):
             return Tape(parts[0], stores, hs, self.n_norms, result, key)
         return Tape(None, stores, hs, self.n_norms, result, key, parts)
 
@@ -865,7 +870,11 @@ class StackedEngine(ListEngine):
             self._rec = rec
         if rec is not None:
             index = rec.norm() if norm else -1
-            rec.cut(_Action(fn, [rec.store(a) for a in stores], args, index))
+            action = _Action(fn, [rec.store(a) for a in stores], args, index)
+            if fn == self._irecv:
+                rec.before_segment(action)
+            else:
+                rec.cut(action)
             if norm:
                 value = _Norm(value, (index,))
         return value

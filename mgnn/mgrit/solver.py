@@ -211,8 +211,9 @@ class MGRITSolver:
         Default False: every solve's results stay valid.
     coarsest : {'auto', 'redundant', 'sequential'}
         The coarsest level across ranks: 'redundant' solves it on every rank (an Allgatherv of
-        its right-hand sides, then the propagator's ``coarse_replica(level)``, which must return
-        a replica on every rank alike, or None on every rank for the chain); 'sequential' the
+        its right-hand sides, then the propagator's ``coarse_replica(level)``, asked once per
+        solve, which must return a replica on every rank alike, or None on every rank for the
+        chain); 'sequential' the
         chain across ranks; 'auto' (default) redundant when the propagator has
         ``coarse_replica`` and there is more than one rank.
     xp : module or None
@@ -275,6 +276,7 @@ class MGRITSolver:
                              "coarse_replica(level) (a propagator that steps every point of the "
                              "level on every rank)")
         self._gather_counts = {}
+        self._replica = None  # the coarse replica of the solve at hand (see _coarsest)
         self.redundant_solves = 0  # coarsest levels solved redundantly so far (diagnostics)
         if comm is not None and comm.Get_size() > 1:
             abort_on_uncaught(comm)  # an uncaught Ctrl-C between solves still ends every rank
@@ -463,9 +465,9 @@ class MGRITSolver:
     def _coarsest(self, lev, U, G):
         """The coarsest level exactly: a chain across the ranks (sequential), or (redundant) every
         rank gathers u_0 and the right-hand sides of the level and steps all of it with the
-        propagator's ``coarse_replica(level)``, keeping its own points."""
-        replica = self.prop.coarse_replica(lev) if self._redundant else None
-        if replica is None:
+        propagator's ``coarse_replica(level)`` (asked once per solve), keeping its own
+        points."""
+        if self._replica is None:
             self._update(lev, U, G, lambda j: True, "coarsest")
             return
         L, eng = self.levels[lev], self.engine
@@ -475,10 +477,10 @@ class MGRITSolver:
                 np.array(v, dtype=np.int64) for v in self.partition.level_counts(L.s, L.n))
         plan = self._plan(lev, "redundant", None)
 
-        def solve_redundantly(stores):  # a replayed cycle runs it again: the replica of now
+        def solve_redundantly(stores):  # a replayed cycle runs it again: this solve's replica
             self.redundant_solves += 1
             FU, FG = eng.gather_level(lev, stores[0], stores[1], *counts, L.n)
-            eng.replica_advance(self.prop.coarse_replica(lev), lev, FU, FG, L.n, plan)
+            eng.replica_advance(self._replica, lev, FU, FG, L.n, plan)
             eng.scatter_back(lev, FU, stores[0])
 
         eng.host_call(solve_redundantly, [U, G])
@@ -600,7 +602,8 @@ class MGRITSolver:
                     and self.options.tol == 0 and self.halo.size == 1 and not self._spatial):
                 return self._graph(key, U, run)
             return run()
-        key = key + (U.shape, U.dtype.str, self.prop.tape_key())
+        # (a cycle captured with a redundant coarsest solve replays it: the chain is another)
+        key = key + (U.shape, U.dtype.str, self.prop.tape_key(), self._replica is not None)
         tape = self._tapes.get(key, False)
         if tape:
             self._replayed.append(tape)
@@ -678,6 +681,8 @@ class MGRITSolver:
         if not hasattr(u0, "shape") or not hasattr(u0, "dtype"):
             raise TypeError(f"u0 must be an array, got {type(u0).__name__}")
         self._templates = self._level_templates(u0)
+        self._replica = (self.prop.coarse_replica(len(self.sizes) - 1) if self._redundant
+                         else None)  # this solve's redundant coarsest stepper (None: a chain)
         eng = self._engine_for(u0)
         L0 = self.levels[0]
         U = self._level0_store(eng, L0, u0)

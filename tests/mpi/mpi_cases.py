@@ -609,7 +609,7 @@ def case_captured():
     """Captured cycles on layer ranks x data replicas = SIZE (halo messages replayed between
     the tape's segments): three training steps (parameters updated between them) equal the
     uncaptured engine's bit for bit, for dense, conv and GRU networks, both coarsest modes,
-    fixed and converged cycles; the replayed tapes hold message actions (GRU: a kind without
+    fixed, converged and F-cycles (4 levels: some ranks own no coarsest point); the replayed tapes hold message actions (GRU: a kind without
     tapes, the same results)."""
     import mgnn
     from mgnn.optim import SGD
@@ -622,7 +622,11 @@ def case_captured():
                                        skip_downcycle=True),
                  MGRITOptions(cf=2, max_levels=3, tol=0.0, max_iter=1)),
                 ("converged", MGRITOptions(cf=2, max_levels=3, tol=1e-10, max_iter=40),
-                 MGRITOptions(cf=2, max_levels=3, tol=1e-10, max_iter=40))]
+                 MGRITOptions(cf=2, max_levels=3, tol=1e-10, max_iter=40)),
+                ("F-cycles, 4 levels", MGRITOptions(cf=2, max_levels=4, min_coarse=1, tol=0.0,
+                                                    max_iter=2, cycle="F", nrelax=[0, 1]),
+                 MGRITOptions(cf=2, max_levels=4, min_coarse=1, tol=0.0, max_iter=1,
+                              cycle="F"))]
     checked = segmented = 0
     for kind, model, x, y in nets:
         for name, fwd, bwd in settings:

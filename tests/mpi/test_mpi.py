@@ -214,8 +214,9 @@ def test_cli_cuda_backend_equals_numba(ranks):
 @pytest.mark.parametrize("ranks, data_ranks", [(2, 1), (4, 1)])
 def test_captured_cycles_on_layer_ranks_equal_uncaptured(ranks, data_ranks):
     """Tapes with the halo messages between their segments: three training steps bit for bit
-    the uncaptured engine's (dense, conv, GRU; both coarsest modes; fixed and converged)."""
+    the uncaptured engine's (dense, conv, GRU; both coarsest modes; fixed, converged and
+    F-cycles)."""
     out = _json(mpirun(ranks, "-m", "tests.mpi.mpi_cases", "captured", str(data_ranks),
                        timeout=600))
-    assert out["ranks"] == ranks and out["checked"] == 12
-    assert out["segmented"] == 8  # dense and conv, 2 settings x 2 coarsest modes, replayed
+    assert out["ranks"] == ranks and out["checked"] == 18
+    assert out["segmented"] == 12  # dense and conv, 3 settings x 2 coarsest modes, replayed

@@ -1,8 +1,10 @@
 """Captured MGRIT cycles: one call runs a whole recorded cycle (:mod:`mgnn.backend.tape`) through
 the chain bodies of :mod:`.stacked`."""
 
-import numpy as np
+import weakref
+
 import numba
+import numpy as np
 from numba import prange
 
 from .. import tape as _T
@@ -225,7 +227,8 @@ def _run_tape(kind, stores, ops, hs, W, P, d0, act, adjoint, norms, parallel=Non
     """Replay ``ops`` (mgnn.backend.tape) on ``stores`` (:func:`stores_list`) with the layers W
     and b (forward) or sigma' D from layer d0 (adjoint); squared norms added into ``norms``."""
     key = (id(stores), kind, W.dtype.char, P.dtype.char, P.ndim, hs.dtype.char, bool(adjoint))
-    if key not in _CHECKED:  # a typed list's item type is fixed: one check per list suffices
+    held = _CHECKED.get(key)
+    if held is None or held() is not stores:  # a typed list's item type is fixed: one check
         U0 = stores[0]
         if (W.dtype != U0.dtype or P.dtype != U0.dtype or hs.dtype != U0.dtype
                 or U0.ndim != _STACKED_NDIM[kind] or bool(adjoint) != (P.ndim > 2)):
@@ -235,7 +238,10 @@ def _run_tape(kind, stores, ops, hs, W, P, d0, act, adjoint, norms, parallel=Non
                             "*state) adjoint)")
         if len(_CHECKED) >= 256:
             _CHECKED.clear()
-        _CHECKED[key] = stores  # kept alive, so that its id stays its own
+        try:  # a weak reference: a dead tape's stores are not kept alive by the memo
+            _CHECKED[key] = weakref.ref(stores)
+        except TypeError:  # a plain list (a direct caller): checked every time
+            pass
     if parallel is None:
         parallel = numba.get_num_threads() > 1
     _call_driver(_tape_par if parallel else _tape, parallel or kind == "conv", stores, ops, hs,
@@ -243,8 +249,9 @@ def _run_tape(kind, stores, ops, hs, W, P, d0, act, adjoint, norms, parallel=Non
 
 
 _STACKED_NDIM = {"dense": 3, "conv": 5}
-#: The checks :func:`_run_tape` passed, by store list and argument types (a tape cut by halo
-#: messages runs one call per segment: a typed list's item read costs microseconds).
+#: The checks :func:`_run_tape` passed, by store list (a weak reference: an id reused by a new
+#: list does not match) and argument types (a tape cut by halo messages runs one call per
+#: segment: a typed list's item read costs microseconds).
 _CHECKED = {}
 
 
