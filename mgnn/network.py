@@ -106,9 +106,8 @@ class LayerParallel:
     capture : bool
         Replay fixed MGRIT cycles from a capture (``MGRITSolver(capture=)``: one Numba call per
         cycle on the CPU, or per segment between the overlapping halo messages of several
-        layer ranks; a CUDA
-        graph launch on a GPU with one layer rank; no spatial coarsening; results identical).
-        Default True.
+        layer ranks; a CUDA graph launch on a GPU with one layer rank; no spatial coarsening;
+        results identical). Default True.
     guard : {'auto', 'off'}, None or GradientGuard
         The gradient guard (:mod:`mgnn.guard`), active when ``fwd`` or ``bwd`` is given: every
         step it reads the solves' residual histories, and at the first MGRIT step, every

@@ -320,6 +320,9 @@ def parse_args(argv=None):
     p.add_argument("--min-time", type=float, default=0.2,
                    help="seconds per sample (default 0.2)")
     p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--conv-parts", action="store_true",
+                   help="instead: each conv kernel of `bench kernels` (forward, input vjp, "
+                        "kernel gradient) beside PyTorch's at the same shapes and threads")
     args = p.parse_args(argv)
     if args.model != "conv" and (args.conv3d or args.batch_norm):
         p.error("--conv3d and --batch-norm are for --model conv")
@@ -341,6 +344,36 @@ def parse_args(argv=None):
     return args
 
 
+def torch_conv_parts(torch):
+    """``parts(u, K, s)`` for :func:`mgnn.studies.bench.bench_conv_parts`: PyTorch's forward
+    convolution, input gradient and kernel gradient at the shapes of u (B, C, *spatial), K and
+    s (the output cotangent), on as many threads as Numba."""
+    from mgnn.studies.bench import numba_threads
+
+    def parts(u, K, s):
+        tu, tK, ts = (torch.from_numpy(np.ascontiguousarray(a)) for a in (u, K, s))
+        tb = torch.zeros(K.shape[0], dtype=tu.dtype)
+        nd = u.ndim - 2
+        conv = (torch.nn.functional.conv2d, torch.nn.functional.conv3d)[nd - 2]
+        grad_in = (torch.nn.grad.conv2d_input, torch.nn.grad.conv3d_input)[nd - 2]
+        grad_w = (torch.nn.grad.conv2d_weight, torch.nn.grad.conv3d_weight)[nd - 2]
+        torch.set_num_threads(max(1, numba_threads()))
+        return {"forward": lambda: conv(tu, tK, tb, padding=1),
+                "input vjp": lambda: grad_in(tu.shape, tK, ts, padding=1),
+                "kernel grad": lambda: grad_w(tu, tK.shape, ts, padding=1)}
+    return parts
+
+
+def conv_parts(torch, log=print):
+    """The per-kernel conv rows of ``bench kernels`` (``CONV_PARTS`` shapes) beside PyTorch's
+    time for the same convolution; returns the rows."""
+    from mgnn.studies.bench import CONV_PARTS, bench_conv_parts, format_results
+    rows = [r for C, B, S, nd in CONV_PARTS
+            for r in bench_conv_parts(C, B, S, nd, baseline=("pytorch", torch_conv_parts(torch)))]
+    log(format_results(rows))
+    return rows
+
+
 def main(argv=None):
     """Parse, import PyTorch (a clear exit without it), run."""
     args = parse_args(argv)
@@ -349,6 +382,9 @@ def main(argv=None):
     except ImportError:
         sys.exit("scripts/torch_baseline.py needs PyTorch in this environment (a benchmark "
                  "environment: PyTorch is never a dependency of mgnn)")
+    if args.conv_parts:
+        conv_parts(torch)
+        return
     run(args, torch)
 
 

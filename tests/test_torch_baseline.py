@@ -25,6 +25,25 @@ def test_flags_are_checked(capsys):
         assert message in capsys.readouterr().err
 
 
+def test_conv_parts_rows_take_their_baseline_from_the_caller():
+    """mgnn's bench never imports a deep-learning framework: the per-kernel conv rows get a
+    baseline only from the caller (the script's ``--conv-parts`` passes PyTorch's); here a
+    NumPy stand-in, called once with the rows' shapes."""
+    from mgnn.studies.bench import bench_conv_parts
+    assert tb.parse_args(["--conv-parts"]).conv_parts and not tb.parse_args([]).conv_parts
+    seen = []
+
+    def parts(u, K, s):
+        seen.append((u.shape, K.shape, s.shape))
+        return {k: (lambda: u.sum()) for k in ("forward", "input vjp", "kernel grad")}
+    plain = bench_conv_parts(2, 2, 6, 2)
+    rows = bench_conv_parts(2, 2, 6, 2, baseline=("numpy sum", parts))
+    assert seen == [((2, 2, 6, 6), (2, 2, 3, 3), (2, 2, 6, 6))]
+    assert [r["name"] for r in rows] == [r["name"] for r in plain] and len(rows) == 3
+    assert all("ratio" not in r and "baseline" not in r for r in plain)
+    assert all(r["baseline"].startswith("numpy sum (") and r["ratio"] > 0 for r in rows)
+
+
 def test_timing_interleaves_the_candidates(monkeypatch):
     """Rounds take one sample of every candidate in turn (warm-up calls in the first round
     only); fastest and median per candidate."""

@@ -860,9 +860,10 @@ class StackedEngine(ListEngine):
     # halo messages: while a cycle is captured, each is a host action of the tape (run now,
     # replayed between the row segments around it); the rows that make a boundary value are
     # steps into the level's send buffer, a store of the tape
-    def _host(self, fn, stores, args, norm=False):
+    def _host(self, fn, stores, args, norm=False, early=False):
         """``fn(stores, pending, *args)`` now (recording suspended), and while capturing an
-        :class:`_Action` of the tape (its value a new norm if ``norm``)."""
+        :class:`_Action` of the tape (its value a new norm if ``norm``; ``early``: an action
+        that touches no store, recorded before the current row segment)."""
         rec, self._rec = self._rec, None
         try:
             value = fn(stores, self._pending, *args)
@@ -871,7 +872,7 @@ class StackedEngine(ListEngine):
         if rec is not None:
             index = rec.norm() if norm else -1
             action = _Action(fn, [rec.store(a) for a in stores], args, index)
-            if fn == self._irecv:
+            if early:
                 rec.before_segment(action)
             else:
                 rec.cut(action)
@@ -900,14 +901,14 @@ class StackedEngine(ListEngine):
 
     def _combined(self, S, pending, token, lev, mode, out):
         msg = self.solver.halo.wait(pending.pop(token))
-        return self._combine_message(lev, S[0], S[1], S[2], msg, mode, out)
+        return self.combine_message(lev, S[0], S[1], S[2], msg, mode, out)
 
     def _waited(self, S, pending, token):
         self.solver.halo.wait(pending.pop(token))
 
     def post_recv(self, lev, source, tag_):
         token = self._token()
-        self._host(self._irecv, [], (token, lev, source, tag_))
+        self._host(self._irecv, [], (token, lev, source, tag_), early=True)
         return token
 
     def complete_recv(self, token):
@@ -948,10 +949,6 @@ class StackedEngine(ListEngine):
         return buf
 
     def combine_message(self, lev, U, G, R, msg, mode, out):
-        self._uncaptured("a halo message")
-        return self._combine_message(lev, U, G, R, msg, mode, out)
-
-    def _combine_message(self, lev, U, G, R, msg, mode, out):
         t0 = time.perf_counter()
         r2 = 0.0
         r = R[out]

@@ -213,9 +213,8 @@ class MGRITSolver:
         The coarsest level across ranks: 'redundant' solves it on every rank (an Allgatherv of
         its right-hand sides, then the propagator's ``coarse_replica(level)``, asked once per
         solve, which must return a replica on every rank alike, or None on every rank for the
-        chain); 'sequential' the
-        chain across ranks; 'auto' (default) redundant when the propagator has
-        ``coarse_replica`` and there is more than one rank.
+        chain); 'sequential' the chain across ranks; 'auto' (default) redundant when the
+        propagator has ``coarse_replica`` and there is more than one rank.
     xp : module or None
         Array module of the states when they live on a GPU (``cupy``; None for host arrays):
         boundary states then go
@@ -227,9 +226,10 @@ class MGRITSolver:
         bit-identical): with a stacked propagator that replays tapes (``captures = True``,
         ``tape_layers``, ``tape_stores``, ``run_tape``), host states and no spatial coarsening;
         on several ranks (with ``overlap``) the halo messages are replayed between the tape's
-        segments, in the captured order. With ``tol = 0`` on one rank (a fixed cycle count) the whole solve becomes one tape once
-        each of its cycles has replayed (a divergence is then raised, with the same message,
-        after the whole solve has run rather than after the cycle that diverged). A stacked
+        segments, in the captured order. With ``tol = 0`` on one rank (a fixed cycle count)
+        the whole solve becomes one tape once each of its cycles has replayed (a divergence
+        is then raised, with the same message, after the whole solve has run rather than after
+        the cycle that diverged). A stacked
         propagator with ``graphs = True`` (``begin_graph``, ``end_graph``, ``graph_key``: a GPU
         backend) instead has its second run of each cycle captured as a CUDA graph and launched
         from then on (with ``reuse_states``, one rank, no spatial coarsening). Otherwise, or

@@ -124,37 +124,21 @@ def bench_conv_kernel(channels=8, batch=32, size=28, dtype="float32", seed=0):
 CONV_PARTS = ((8, 32, 28, 2), (16, 32, 28, 2), (32, 32, 28, 2), (8, 8, 16, 3), (16, 8, 16, 3))
 
 
-def _torch_conv_parts(u, K, s):
-    """{part: function} of PyTorch's forward convolution, input gradient and kernel gradient at
-    the shapes of u (B, C, *spatial), K, s (the output cotangent); None without PyTorch."""
-    try:
-        import torch
-    except ImportError:
-        return None
-    tu, tK, ts = (torch.from_numpy(np.ascontiguousarray(a)) for a in (u, K, s))
-    tb = torch.zeros(K.shape[0], dtype=tu.dtype)
-    nd = u.ndim - 2
-    conv = (torch.nn.functional.conv2d, torch.nn.functional.conv3d)[nd - 2]
-    grad_in = (torch.nn.grad.conv2d_input, torch.nn.grad.conv3d_input)[nd - 2]
-    grad_w = (torch.nn.grad.conv2d_weight, torch.nn.grad.conv3d_weight)[nd - 2]
-    torch.set_num_threads(max(1, numba_threads()))
-    return {"forward": lambda: conv(tu, tK, tb, padding=1),
-            "input vjp": lambda: grad_in(tu.shape, tK, ts, padding=1),
-            "kernel grad": lambda: grad_w(tu, tK.shape, ts, padding=1)}
-
-
 def numba_threads():
-    """Numba's thread count now (PyTorch is timed with as many)."""
+    """Numba's thread count now (a baseline library is timed with as many)."""
     import numba
     return numba.get_num_threads()
 
 
-def bench_conv_parts(channels=16, batch=32, size=28, nd=2, dtype="float32", seed=0):
+def bench_conv_parts(channels=16, batch=32, size=28, nd=2, dtype="float32", seed=0,
+                     baseline=None):
     """One row per conv kernel (forward with the relu + residual + derivative epilogue, input
-    vjp, kernel + bias gradient) of the Numba backend at C -> C, ``size``^nd: time, GFLOP/s
-    (2 B C^2 3^nd size^nd per kernel) and, when PyTorch is importable, its time for the same
-    convolution (forward / conv*_input / conv*_weight, as many threads) as the baseline
-    (ratio = PyTorch's time / mgnn's: > 1 is mgnn faster)."""
+    vjp, kernel + bias gradient) of the Numba backend at C -> C, ``size``^nd: time and GFLOP/s
+    (2 B C^2 3^nd size^nd per kernel). ``baseline``: None, or ``(name, parts)`` with
+    ``parts(u, K, s)`` returning {part: function} that times the same convolution in another
+    library (``scripts/torch_baseline.py --conv-parts`` passes PyTorch's: mgnn never imports
+    a deep-learning framework); its time and ratio (its time / mgnn's: > 1 is mgnn faster)
+    join each row."""
     dt = np.dtype(dtype)
     rng = np.random.default_rng(seed)
     shape = (batch, channels) + (size,) * nd
@@ -170,7 +154,7 @@ def bench_conv_parts(channels=16, batch=32, size=28, nd=2, dtype="float32", seed
     ours = {"forward": lambda: getattr(bk, p + "_forward_deriv")(u, K, b, h, 1, True),
             "input vjp": lambda: getattr(bk, p + "_vjp_input")(lam, d, K, h, True),
             "kernel grad": lambda: getattr(bk, p + "_vjp_params")(lam, d, u, h)}
-    theirs = _torch_conv_parts(u, K, d * lam)
+    theirs = None if baseline is None else baseline[1](u, K, d * lam)
     flops = 2.0 * batch * size ** nd * channels * channels * 3 ** nd
     rows = []
     for part, fn in ours.items():
@@ -180,7 +164,8 @@ def bench_conv_parts(channels=16, batch=32, size=28, nd=2, dtype="float32", seed
                "target": ">= 1 against PyTorch (oneDNN) at the same threads"}
         if theirs is not None:
             tt = kernel_time(theirs[part])
-            row.update(baseline=f"pytorch ({flops / tt / 1e9:.0f} GFLOP/s)", ratio=tt / t)
+            row.update(baseline=f"{baseline[0]} ({flops / tt / 1e9:.0f} GFLOP/s)",
+                       ratio=tt / t)
         rows.append(row)
     return rows
 
@@ -614,8 +599,9 @@ def bench_training_steps(quick=False, cf=4, levels=3, cycles=(2, 2), repeats=5, 
     equivalents (:func:`mgnn.mgrit.cycle_work` with the model's level costs, plus the final
     F-relaxation) and N the layers (time steps): the serial step does N forward steps, N
     adjoint steps and N parameter-gradient steps (issue 36's definition; MGRIT also
-    re-linearises its owned layers at the final states, ~N forward-equivalent evaluations that
-    the serial step gets from its forward sweep: they count against MGRIT here). float32 relu
+    re-linearises its owned layers at the final states, forward-equivalent evaluations that the
+    serial step gets from its forward sweep: N for fused and recurrent kinds, N / cf for composed
+    ones, which keep the final sweep's caches; they count against MGRIT here). float32 relu
     models of fixed sizes (``quick``: smaller), whatever ``bench``'s other flags say. Fastest
     samples, interleaved rounds. ``cases``: the labels to run (prefixes; None: all). Returns one
     dict per case."""
