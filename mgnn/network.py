@@ -203,7 +203,9 @@ class LayerParallel:
         self.stats = {}
         self._previous_states = None
         self._solvers = {}
-        self._kept = None  # the last forward solve's linearisation caches (composed kinds)
+        # the last forward solve's linearisation caches: {layer: cache} (composed kinds) or
+        # (sigma' rows D, first layer, int8 flags of the rows written) (fused kinds)
+        self._kept = None
         self._replica_buffers, self._replica_seconds = {}, 0.0
         self._arrays = {}  # per-shape arrays reused by every step (:meth:`_reused`)
         #: the guard's "iterate further" options (kept alive: solvers are cached by their id)
@@ -446,7 +448,12 @@ class LayerParallel:
             st.derivs = self._reused("derivs", (len(owned),) + st.template.shape,
                                      st.template.dtype)
             Uf, a_f = st.store  # state n in slot n - a_f + 1
-            m.step.deriv_stacked(W, b, Uf, lo - a_f + 1, len(owned), lo, st.derivs, bk)
+            kept = st.kept if isinstance(st.kept, tuple) else None
+            if kept is not None and kept[0] is st.derivs:  # the final sweep's, the rest here
+                m.step.deriv_missing(W, b, Uf, lo - a_f + 1, len(owned), lo, st.derivs, kept[2],
+                                     bk)
+            else:
+                m.step.deriv_stacked(W, b, Uf, lo - a_f + 1, len(owned), lo, st.derivs, bk)
             st.D = _Rows(st.derivs, lo)
         else:
             st.derivs = self._reused("derivs", (len(owned),) + st.template.shape,
@@ -665,12 +672,22 @@ class LayerParallel:
         keep = (isinstance(m.step, ComposedStep) and isinstance(prop, ForwardPropagator)
                 and self.ctx.training)
         prop.kept = {} if keep else None
+        # fused kinds: the final sweep writes sigma' of the layers it steps (flagged in done)
+        derivs = None
+        if (self.ctx.training and isinstance(prop, ForwardPropagator) and len(self.layers)
+                and prop.can_keep_derivs()):
+            owned = len(self.layers)
+            done = self._reused("derivs_done", (owned,), np.int8)
+            done[...] = 0
+            derivs = (self._reused("derivs", (owned,) + tuple(u0.shape), m.dtype),
+                      self.layers.start, done)
+        prop.final_derivs = derivs
         try:
             res = solver.solve(u0, guess)
         finally:
-            kept, prop.kept = prop.kept, None
+            kept, prop.kept, prop.final_derivs = prop.kept, None, None
         cf, single = solver.options.cf, len(solver.sizes) == 1
-        self._kept = None if not keep else {
+        self._kept = derivs if not keep else {
             n: c for n, c in kept.items() if single or (n + 1) % cf != 0}
         return res, d_open
 

@@ -42,6 +42,9 @@ class ForwardPropagator:
         # {layer n: linearisation cache} of the level-0 steps out of n while a dict (composed
         # kinds: LayerParallel keeps the final F-relaxation's instead of evaluating them again)
         self.kept = None
+        # (D, lo, done) while set (fused kinds whose backend keeps them, see can_keep_derivs):
+        # the final sweep's chains write sigma' of layer n into D[n - lo] and flag done[n - lo]
+        self.final_derivs = None
 
     def solve_context(self):
         """What a solve runs in: one BLAS thread while Numba's threads run the chains of a
@@ -89,6 +92,21 @@ class ForwardPropagator:
             return self.kind.chains_forward_layers(self.P, U, G, chains, origin - stride,
                                                    stride, h, self.bk, self.ctx)
         self.kind.chains_forward(self.W, self.b, U, G, chains, origin - stride, stride, h, self.bk)
+
+    def can_keep_derivs(self):
+        """Whether :meth:`advance_final` can keep sigma' (:attr:`final_derivs`): a fused kind on the
+        stacked kernels of a backend that has the kernels for it."""
+        return (self.stacked and not self._stepped and not self._layered
+                and self.kind.can_keep_derivs(self.bk))
+
+    def advance_final(self, U, G, chains, origin, stride, level):
+        """:meth:`advance` of the solve's final relaxation: with :attr:`final_derivs` set, level
+        0 and no right-hand side, the same states, and sigma' of every layer stepped kept in D."""
+        if self.final_derivs is None or level != 0 or G is not None:
+            return self.advance(U, G, chains, origin, stride, level)
+        D, lo, done = self.final_derivs
+        self.kind.chains_forward_derivs(self.W, self.b, U, chains, origin - stride, stride,
+                                        self.dtype.type(stride * self.h), D, lo, done, self.bk)
 
     def points(self, U, G, R, slots, out_slots, origin, stride, level, mode):
         """Stacked residual / FAS / plain steps (see :meth:`advance`)."""

@@ -1,8 +1,9 @@
-"""Composed kinds (batch norm, dropout) keep the linearisation caches of the forward solve's last
-sweep: the final F-relaxation steps out of every layer whose next point is an F-point at the
-final states, so LayerParallel evaluates again only the layers that step into C-points (or none
-after a sequential sweep). The training step is bit for bit the one that evaluates every layer
-again, whatever the hierarchy, cycle, engine or number of steps."""
+"""The forward solve's last sweep keeps the linearisation: the final F-relaxation steps out of
+every layer whose next point is an F-point at the final states, so LayerParallel evaluates again
+only the layers that step into C-points (or none after a sequential sweep). Composed kinds (batch
+norm, dropout) keep their caches; fused kinds (dense) on the Numba backend write sigma' from the
+final sweep's chains (``dense_chains_forward_derivs``). The training step is bit for bit the one
+that evaluates every layer again, whatever the hierarchy, cycle, engine or number of steps."""
 import numpy as np
 import pytest
 
@@ -10,6 +11,7 @@ import mgnn
 from mgnn import MGRITOptions
 from mgnn import network as network_module
 from mgnn.blocks.composed import ComposedStep
+from mgnn.propagators import ForwardPropagator
 
 SETTINGS = {
     "3 levels cf 2, F-cycles": (MGRITOptions(cf=2, max_levels=3, max_iter=2, tol=0.0,
@@ -72,3 +74,117 @@ def test_kept_caches_give_the_same_training_steps_bit_for_bit(setting, monkeypat
         assert counts.get(True, 0) == 0
     else:  # only the layers that step into C-points are evaluated again
         assert counts[True] == 3 * (16 // fwd.cf)
+
+
+def _fused_steps(model, fwd, bwd, x, y, keep, monkeypatch, calls, **kw):
+    with monkeypatch.context() as m:
+        if not keep:
+            m.setattr(ForwardPropagator, "can_keep_derivs", lambda self: False)
+        for name in ("deriv_stacked", "deriv_missing"):
+            original = getattr(type(model.step), name)
+
+            def counting(self, *a, _name=name, _original=original, **k):
+                calls.append((keep, _name))
+                return _original(self, *a, **k)
+
+            m.setattr(type(model.step), name, counting)
+        lp = mgnn.LayerParallel(model, fwd, bwd, backend="numba", guard=None, **kw)
+        opt = mgnn.optim.SGD(model.params, lr=0.1)
+        out, done = [], []
+        for _ in range(3):
+            loss, g = lp.loss_and_grad(x, y)
+            out.append((loss, g.flat.copy()))
+            flags = lp._arrays.get(("derivs_done", (16,), np.dtype(np.int8).str))
+            done.append(None if flags is None else int(flags.sum()))
+            opt.step(g)
+    return out, done
+
+
+@pytest.mark.parametrize("capture", [True, False])
+@pytest.mark.parametrize("activation", ["relu", "tanh"])
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_fused_kinds_keep_sigma_prime_of_the_final_sweep(setting, activation, capture,
+                                                          monkeypatch):
+    fwd, bwd = SETTINGS[setting]
+    rng = np.random.default_rng(5)
+    x, y = rng.standard_normal((6, 5)), rng.integers(0, 3, 6)
+    runs, dones, calls = {}, {}, []
+    for keep in (True, False):
+        model = mgnn.dense_resnet(5, 6, 3, 16, activation=activation, seed=2)
+        runs[keep], dones[keep] = _fused_steps(model, fwd, bwd, x, y, keep, monkeypatch, calls,
+                                               capture=capture)
+    for (l1, g1), (l2, g2) in zip(runs[True], runs[False]):
+        assert l1 == l2
+        np.testing.assert_array_equal(g1, g2)
+    # kept: one call for the rows the final sweep did not write; not kept: every row again
+    assert [c for c in calls if c[0]] == [(True, "deriv_missing")] * 3
+    assert [c for c in calls if not c[0]] == [(False, "deriv_stacked")] * 3
+    expect = 16 if fwd.max_levels == 1 else 16 - 16 // fwd.cf
+    assert dones[True] == [expect] * 3
+
+
+def test_kept_sigma_prime_where_a_dense_step_takes_the_numpy_route(monkeypatch):
+    """At B w >= WIDE the layers the final sweep did not write take the single kernels' NumPy
+    route (as dense_deriv_stacked does): the step equals the one that evaluates every layer
+    again to rounding (tanh) and bit for bit (relu, a 0/1 derivative)."""
+    fwd, bwd = SETTINGS["2 levels cf 4, skipped down-cycle"]
+    for activation in ("relu", "tanh"):
+        rng = np.random.default_rng(6)
+        x, y = rng.standard_normal((128, 40)).astype(np.float32), rng.integers(0, 3, 128)
+        runs = {}
+        for keep in (True, False):
+            model = mgnn.dense_resnet(40, 40, 3, 16, activation=activation, dtype="float32",
+                                      seed=2)
+            runs[keep], _ = _fused_steps(model, fwd, bwd, x, y, keep, monkeypatch, [])
+        for (l1, g1), (l2, g2) in zip(runs[True], runs[False]):
+            if activation == "relu":
+                assert l1 == l2
+                np.testing.assert_array_equal(g1, g2)
+            else:
+                np.testing.assert_allclose(l1, l2, rtol=1e-6)
+                np.testing.assert_allclose(g1, g2, rtol=1e-4, atol=1e-6)
+
+
+def test_chains_forward_derivs_against_the_reference():
+    """The kernel itself: the same states as dense_chains_forward bit for bit, sigma' of every
+    layer it stepped (and only those) as dense_deriv computes it, their flags set; bad D / done
+    / d_lo are errors naming them."""
+    from mgnn.backend import get_backend
+    nb, ref = get_backend("numba"), get_backend("numpy")
+    rng = np.random.default_rng(7)
+    W = rng.standard_normal((12, 5, 5)).astype(np.float32) * 0.5
+    b = rng.standard_normal((12, 5)).astype(np.float32)
+    U = rng.standard_normal((14, 3, 5)).astype(np.float32)
+    chains = np.array([[1, 3], [6, 2], [10, 3]], dtype=np.int64)
+    h = np.float32(0.3)
+    for act in (0, 1, 2):
+        V = U.copy()
+        nb.dense_chains_forward(V, None, W, b, chains, -1, 1, h, act)
+        X, D, done = U.copy(), np.full((8, 3, 5), 7, np.float32), np.zeros(8, np.int8)
+        nb.dense_chains_forward_derivs(X, W, b, chains, -1, 1, h, act, D, 2, done)
+        np.testing.assert_array_equal(X, V)
+        stepped = [f - 1 + q for f, n in chains.tolist() for q in range(n)]  # layers l
+        for p in range(8):
+            l = p + 2
+            if l in stepped:
+                assert done[p] == 1
+                np.testing.assert_array_equal(D[p], nb.dense_deriv(X[l], W[l], b[l], act))
+                np.testing.assert_allclose(D[p], ref.dense_deriv(X[l], W[l], b[l], act),
+                                           rtol=1e-5, atol=1e-6)
+            else:
+                assert done[p] == 0 and (D[p] == 7).all()
+        # the rows not written, then: every row equals dense_deriv_stacked's
+        nb.dense_deriv_missing(X, 2, 8, W, b, 2, act, D, done)
+        full = np.empty_like(D)
+        nb.dense_deriv_stacked(X, 2, 8, W, b, 2, act, full)
+        np.testing.assert_array_equal(D, full)
+    D, done = np.zeros((8, 3, 5), np.float32), np.zeros(8, np.int8)
+    with pytest.raises(ValueError, match="D must be"):
+        nb.dense_chains_forward_derivs(U.copy(), W, b, chains, -1, 1, h, 0, D[:, :, :4], 2, done)
+    with pytest.raises(ValueError, match="done must be"):
+        nb.dense_chains_forward_derivs(U.copy(), W, b, chains, -1, 1, h, 0, D, 2,
+                                       done.astype(np.int64))
+    with pytest.raises(TypeError, match="d_lo must be"):
+        nb.dense_chains_forward_derivs(U.copy(), W, b, chains, -1, 1, h, 0, D, 2.0, done)
+    with pytest.raises(ValueError, match="done must be"):
+        nb.dense_deriv_missing(U, 2, 8, W, b, 2, 0, D, done[:3])

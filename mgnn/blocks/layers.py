@@ -108,6 +108,19 @@ class _StepKind:
         getattr(bk, self._prefix + "_chains_forward")(U, G, W, b, chains, layer0, layer_step, h,
                                                       self.act)
 
+    def can_keep_derivs(self, bk):
+        """Whether ``bk`` has :meth:`chains_forward_derivs` and :meth:`deriv_missing` for this
+        kind (a forward solve's final sweep then keeps sigma' for the adjoint)."""
+        return all(callable(getattr(bk, self._prefix + k, None))
+                   for k in ("_chains_forward_derivs", "_deriv_missing"))
+
+    def chains_forward_derivs(self, W, b, U, chains, layer0, layer_step, h, D, d_lo, done, bk):
+        """:meth:`chains_forward` without right-hand sides, bit for bit, each step out of slot
+        i - 1 through layer l also writing sigma'(z) into D[l - d_lo] (where 0 <= l - d_lo <
+        len(D)) and setting the int8 flag done[l - d_lo]."""
+        getattr(bk, self._prefix + "_chains_forward_derivs")(U, W, b, chains, layer0, layer_step,
+                                                             h, self.act, D, d_lo, done)
+
     def points_forward(self, W, b, U, G, R, slots, out_slots, layer0, layer_step, h, mode, bk):
         """The step into each of U's ``slots``, combined into R's ``out_slots`` by ``mode``
         (0 residual, returns the squared norm; 1 FAS; 2 plain)."""
@@ -140,6 +153,11 @@ class _StepKind:
         """In place: D[p] = sigma'(z) of layer layer0 + p at state U[first + p], p < count
         (see mgnn.backend.STACKED_GRAD_KERNELS)."""
         getattr(bk, self._prefix + "_deriv_stacked")(U, first, count, W, b, layer0, self.act, D)
+
+    def deriv_missing(self, W, b, U, first, count, layer0, D, done, bk):
+        """:meth:`deriv_stacked` for the rows p < count with ``done[p] == 0`` only."""
+        getattr(bk, self._prefix + "_deriv_missing")(U, first, count, W, b, layer0, self.act, D,
+                                                     done)
 
     def vjp_params_stacked(self, L, l_first, l_stride, D, U, u_first, count, layer0, h, gW, gb,
                            bk):

@@ -57,11 +57,13 @@ class Plan:
     head, tail : [first point, length] or None -- the chain after the left halo, the chain whose
         last point feeds the right neighbour (computed first, then sent)
     points : list of int                       -- for a points sweep: the interior targets
+    final : bool                               -- the solve's last sweep on level 0 (the
+        stacked engine steps it through the propagator's ``advance_final`` where it has one)
     """
 
     def __init__(self):
         self.chains, self.head, self.tail, self.points, self.outs = [], None, None, [], None
-        self.need_left = self.send_right = self.early = False
+        self.need_left = self.send_right = self.early = self.final = False
         self.arrays = {}
 
     def array(self, key, rows):
@@ -824,8 +826,11 @@ class StackedEngine(ListEngine):
         a = self._a(lev)
         rows = plan.array(key, lambda: [[f - a + 1, n] for f, n in chains])
         origin, stride = self._origin(lev)
+        advance = self.prop.advance
+        if plan is not None and plan.final and self._rec is None:  # (a tape keeps no sigma')
+            advance = getattr(self.prop, "advance_final", advance)
         t0 = time.perf_counter()
-        self.prop.advance(U, G, rows, origin, stride, lev)
+        advance(U, G, rows, origin, stride, lev)
         self.solver._step_seconds += time.perf_counter() - t0
         if self._rec is not None:
             self._rec.steps(T.CHAIN, U, G, None, rows[:, 0], rows[:, 1], [-1] * len(rows),

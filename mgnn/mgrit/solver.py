@@ -363,6 +363,7 @@ class MGRITSolver:
         if plan is not None:
             return plan
         plan = self._plans[key] = Plan()
+        plan.final = lev == 0 and name in ("final", "coarsest")  # one level: its one sweep
         L = self.levels[lev]
         a, b, n = L.a, L.b, L.n
         if a >= b or target is None:
@@ -712,10 +713,13 @@ class MGRITSolver:
             # a fixed cycle count whose cycles all replayed once: from then on the whole solve
             # is one tape (one kernel call; copies fused across the cycles' seams)
             self._replayed, whole = [], None
+            # a final sweep that keeps the linearisation (the propagator's ``final_derivs``)
+            # runs uncaptured: a tape's rows keep none
+            keep = getattr(self.prop, "final_derivs", None) is not None
             if (o.tol == 0 and self.capture and eng.stacked and eng.can_capture()
                     and self.halo.size == 1):  # several ranks: one tape per cycle (messages)
                 whole = ("solve", o.max_iter, o.skip_downcycle, U.shape, U.dtype.str,
-                         self.prop.tape_key())
+                         self.prop.tape_key(), keep)
             outs = eng.replay(self._tapes[whole], U) if self._tapes.get(whole) else None
             for k in range(o.max_iter):
                 skip = o.skip_downcycle and k == 0
@@ -730,10 +734,13 @@ class MGRITSolver:
                 if not skip and result.residuals[-1] < o.tol:
                     result.converged = True
                     break
-            if outs is None:
+            if keep:
+                self._f_relax(U, None, 0, "final")
+            elif outs is None:
                 self._captured(("final",), U, lambda: self._f_relax(U, None, 0, "final"))
-                if whole is not None and len(self._replayed) == o.max_iter + 1:
-                    self._tapes[whole] = eng.merge_tapes(self._replayed, whole)
+            if (outs is None and whole is not None
+                    and len(self._replayed) == o.max_iter + (not keep)):
+                self._tapes[whole] = eng.merge_tapes(self._replayed, whole)
             if not result.converged and o.tol > 0 and o.warn_not_converged and \
                     self.halo.reduce_rank == 0:  # once per solve, not once per replica
                 warnings.warn(f"MGRIT did not reach tol={o.tol:.3g} in max_iter={o.max_iter} "

@@ -609,10 +609,13 @@ def case_captured():
     """Captured cycles on layer ranks x data replicas = SIZE (halo messages replayed between
     the tape's segments): three training steps (parameters updated between them) equal the
     uncaptured engine's bit for bit, for dense, conv and GRU networks, both coarsest modes,
-    fixed, converged and F-cycles (4 levels: some ranks own no coarsest point); the replayed tapes hold message actions (GRU: a kind without
-    tapes, the same results)."""
+    fixed, converged and F-cycles (4 levels: some ranks own no coarsest point); the replayed
+    tapes hold message actions (GRU: a kind without tapes, the same results); dense also equals
+    a run that evaluates sigma' of every layer again instead of keeping the final sweep's."""
     import mgnn
     from mgnn.optim import SGD
+    from mgnn.propagators import ForwardPropagator
+    keeps = ForwardPropagator.can_keep_derivs
     data_ranks = int(sys.argv[2])
     rng = np.random.default_rng(3)
     nets = [(k, m, x, y) for k, m, x, y in _nets(5)]
@@ -632,9 +635,15 @@ def case_captured():
         for name, fwd, bwd in settings:
             for coarsest in ("redundant", "sequential"):
                 runs = []
-                for capture in (True, False):
+                # dense: a third run that evaluates sigma' of every layer again (the final
+                # sweep's kept sigma' must give the same bits on layer ranks too)
+                variants = [(True, True), (False, True)] + (
+                    [(True, False)] if kind == "dense" else [])
+                for capture, keep in variants:
                     m = model
                     params = m.params.flat.copy()
+                    if not keep:
+                        ForwardPropagator.can_keep_derivs = lambda self: False
                     lp = mgnn.LayerParallel(m, fwd=fwd, bwd=bwd, comm=COMM,
                                             data_ranks=data_ranks, backend="numba",
                                             coarsest=coarsest, capture=capture, guard=None)
@@ -648,13 +657,16 @@ def case_captured():
                                      for p in ("forward", "adjoint")]))
                         opt.step(g)
                     m.params.flat[...] = params  # the next run starts from the same model
+                    ForwardPropagator.can_keep_derivs = keeps
                     runs.append((out, lp))
                 what = f"{kind} {name} {coarsest}"
-                for (l1, g1, r1), (l2, g2, r2) in zip(runs[0][0], runs[1][0]):
-                    if l1 != l2 or not np.array_equal(g1, g2) or r1 != r2:
-                        raise AssertionError(f"rank {RANK}: {what}: captured differs from "
-                                             f"uncaptured (loss {l1} vs {l2}, max grad diff "
-                                             f"{np.abs(g1 - g2).max()}, residuals {r1} vs {r2})")
+                for other, differs in zip(runs[1:], ("uncaptured", "sigma' evaluated again")):
+                    for (l1, g1, r1), (l2, g2, r2) in zip(runs[0][0], other[0]):
+                        if l1 != l2 or not np.array_equal(g1, g2) or r1 != r2:
+                            raise AssertionError(
+                                f"rank {RANK}: {what}: captured differs from {differs} (loss "
+                                f"{l1} vs {l2}, max grad diff {np.abs(g1 - g2).max()}, "
+                                f"residuals {r1} vs {r2})")
                 solvers = runs[0][1]._solvers.values()
                 tapes = [t for sv in solvers for t in sv._tapes.values() if t and t.replays]
                 if not any(sv.prop.captures for sv in solvers):  # a kind without tapes (GRU)

@@ -292,6 +292,37 @@ def _dense_fwd_chain(U, G, has_g, R, W, P, d0, first, n, o, layer0, layer_step, 
     return total
 
 
+# The final sweep of a forward solve that keeps its linearisation (LayerParallel): the relaxation
+# chains' steps, bit for bit (the single kernels' epilogue: the shared steps rely on the same
+# equality), each also writing sigma'(z + b) of its layer into D and marking it done.
+@njit(cache=True)
+def _dense_deriv_chain(U, W, b, first, n, layer0, layer_step, h, act, z, D, d_lo, done):
+    for i in range(first, first + n):
+        l = layer0 + i * layer_step
+        x, y = U[i - 1], U[i]
+        np.dot(x, W[l].T, z)
+        p = l - d_lo
+        if 0 <= p < D.shape[0]:  # one pass: the step (phi's arithmetic) and sigma'
+            _dense_epilogue(x, z, b[l], h, act, True, y, D[p], True)
+            done[p] = 1
+        else:
+            _dense_out(x, z, b[l], h, act, y, y, y, False, 2)
+
+
+@njit(cache=True)
+def _dense_deriv_chains(U, W, b, idx, l0, ls, h, act, D, d_lo, done):
+    z = np.empty(U.shape[1:], dtype=U.dtype)
+    for c in range(idx.shape[0]):
+        _dense_deriv_chain(U, W, b, idx[c, 0], idx[c, 1], l0, ls, h, act, z, D, d_lo, done)
+
+
+@njit(cache=True, parallel=True)
+def _dense_deriv_chains_par(U, W, b, idx, l0, ls, h, act, D, d_lo, done):
+    for c in prange(idx.shape[0]):
+        z = np.empty(U.shape[1:], dtype=U.dtype)
+        _dense_deriv_chain(U, W, b, idx[c, 0], idx[c, 1], l0, ls, h, act, z, D, d_lo, done)
+
+
 @njit(cache=True)
 def _dense_adj_scratch(U, mode):
     return np.empty(U.shape[1:], dtype=U.dtype), np.empty(U.shape[1:], dtype=U.dtype)
@@ -558,14 +589,42 @@ def _stacked_kind(kind):
         return _run(kind, True, L, G, R, W, D, d0, s, o, layer0, layer_step, h, 2, mode,
                     parallel)
 
+    def chains_forward_derivs(U, W, b, chains, layer0, layer_step, h, act, D, d_lo, done,
+                              parallel=None):
+        s, o, h = _check(kind, U, None, W, b, chains, layer0, layer_step, h, act)
+        _check_derivs(U, D, d_lo, done)
+        if parallel is None:
+            parallel = s.shape[0] > 1 and numba.get_num_threads() > 1
+        driver = (_dense_deriv_chains_par if parallel else _dense_deriv_chains)
+        _call_driver(driver, bool(parallel), U, W, b, s, layer0, layer_step, h, act, D,
+                     int(d_lo), done)
+
     fns = {}
-    for fn in (chains_forward, points_forward, chains_adjoint, points_adjoint):
+    kernels = (chains_forward, points_forward, chains_adjoint, points_adjoint)
+    if kind == "dense":
+        kernels += (chains_forward_derivs,)
+    for fn in kernels:
         fn.__name__ = fn.__qualname__ = f"{kind}_{fn.__name__}"
         fn.__doc__ = (f"Numba kernel, one call for all chains / points; contract of "
                       f":data:`mgnn.backend.STACKED_KERNELS`. ``parallel`` (None: threads and "
                       f"more than one chain) picks the prange variant.")
         fns[fn.__name__] = fn
     return fns
+
+
+def _check_derivs(U, D, d_lo, done):
+    """The linearisation store of :func:`dense_chains_forward_derivs`: D (rows, *state) of U's
+    dtype, C-contiguous; done an int8 flag per row; d_lo an int."""
+    if (getattr(D, "dtype", None) != U.dtype or D.shape[1:] != U.shape[1:]
+            or not D.flags.c_contiguous):
+        raise ValueError(f"D must be a C-contiguous {U.dtype} array of shape (*, "
+                         f"{', '.join(map(str, U.shape[1:]))}), got {getattr(D, 'dtype', None)} "
+                         f"{getattr(D, 'shape', type(D).__name__)}")
+    if getattr(done, "dtype", None) != np.int8 or done.shape != D.shape[:1]:
+        raise ValueError(f"done must be an int8 array of shape ({D.shape[0]},), got "
+                         f"{getattr(done, 'dtype', None)} {getattr(done, 'shape', None)}")
+    if isinstance(d_lo, bool) or not isinstance(d_lo, (int, np.integer)):
+        raise TypeError(f"d_lo must be an int, got {type(d_lo).__name__}")
 
 
 globals().update(_stacked_kind("dense"))

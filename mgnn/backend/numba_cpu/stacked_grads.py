@@ -1,6 +1,8 @@
 """The stacked gradient kernels (:data:`mgnn.backend.STACKED_GRAD_KERNELS`): sigma' and the
 parameter gradients of every owned layer from the solvers' stores, one call each."""
 
+import numpy as np
+
 from ..blas_threads import one_blas_thread
 from . import dense as _dense_module
 from .dense import _dense_deriv, _dense_vjp_params, _wide
@@ -19,6 +21,13 @@ from .activations import njit
 def _dense_deriv_stacked(U, first, count, W, b, layer0, act, D):
     for p in range(count):
         D[p] = _dense_deriv(U[first + p], W[layer0 + p], b[layer0 + p], act)
+
+
+@njit(cache=True)
+def _dense_deriv_missing(U, first, count, W, b, layer0, act, D, done):
+    for p in range(count):
+        if done[p] == 0:
+            D[p] = _dense_deriv(U[first + p], W[layer0 + p], b[layer0 + p], act)
 
 
 @njit(cache=True)
@@ -64,6 +73,19 @@ def _stacked_grads():
             return loops["dense_deriv_stacked"](U, first, count, W, b, layer0, act, D)
         _dense_deriv_stacked(U, first, count, W, b, layer0, act, D)
 
+    def dense_deriv_missing(U, first, count, W, b, layer0, act, D, done):
+        """:func:`dense_deriv_stacked` for the rows p with ``done[p] == 0`` only (the rows a
+        forward solve's final sweep did not write: :func:`dense_chains_forward_derivs`)."""
+        count = check_stacked_grads("dense", U, first, count, W, layer0, D, b)
+        if getattr(done, "dtype", None) != np.int8 or done.shape[0] < count:
+            raise ValueError(f"done must be an int8 array of at least {count} flags, got "
+                             f"{getattr(done, 'dtype', None)} {getattr(done, 'shape', None)}")
+        if count and _wide(U.shape[1] * W.shape[1], U.dtype, act):
+            for p in np.flatnonzero(done[:count] == 0):
+                D[p] = dense_deriv(U[first + p], W[layer0 + p], b[layer0 + p], act)
+            return
+        _dense_deriv_missing(U, first, count, W, b, layer0, act, D, done)
+
     def dense_vjp_params_stacked(L, l_first, l_stride, D, U, u_first, count, layer0, h, gW, gb):
         count = check_stacked_grads("dense", U, u_first, count, gW, layer0, D, gb, L, l_first,
                                     l_stride)
@@ -90,6 +112,7 @@ def _stacked_grads():
         fn.__doc__ = ("Numba kernel, one call for every layer; contract of "
                       ":data:`mgnn.backend.STACKED_GRAD_KERNELS`.")
         fns[fn.__name__] = fn
+    fns["dense_deriv_missing"] = dense_deriv_missing
     return fns
 
 
