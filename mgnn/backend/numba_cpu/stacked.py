@@ -7,7 +7,8 @@ from numba import prange
 
 from ..blas_threads import one_blas_thread
 from ..numpy_ref import check_stacked
-from .conv import _conv_geometry, _conv_offsets, _conv_run, _conv_work, _kpack, _pad_flat
+from .conv import (_conv_geometry, _conv_offsets, _conv_run, _conv_sample_forward,
+                   _conv_sample_vjp, _conv_work, _kpack, _pad_flat)
 from .dense import _dense_epilogue
 from .activations import _sig, njit, overload
 
@@ -127,15 +128,15 @@ def _dense_adj_step(lam, Wl, Dl, h, s, z, out, u, g, has_g, mode):
 
 
 @njit(cache=True, inline="always")
-def _phi_row(xf, e0, zr, bc, h, act, adjoint, dst):
-    """dst = phi of one output row (elements e0 .. e0 + len(zr) of the flattened channel):
-    x + h sigma(zr + bc) (forward; in float64, rounded once, as the single kernels'
-    :func:`_fwd_row`) or x + h zr (adjoint). dst may be zr itself (element by element)."""
+def _phi_row(xr, zr, bc, h, act, adjoint, dst):
+    """dst = phi of one output row: xr + h sigma(zr + bc) (forward; in float64, rounded once, as
+    the single kernels' :func:`_fwd_row`) or xr + h zr (adjoint). dst may be zr itself
+    (element by element)."""
     for xx in range(zr.size):
         if adjoint:
-            dst[xx] = xf[e0 + xx] + h * zr[xx]
+            dst[xx] = xr[xx] + h * zr[xx]
         else:
-            dst[xx] = xf[e0 + xx] + h * np.float64(_sig(zr[xx] + bc, act))
+            dst[xx] = xr[xx] + h * np.float64(_sig(zr[xx] + bc, act))
 
 
 @njit(cache=True, inline="always")
@@ -160,15 +161,28 @@ def _combine_row(v, o, u, g, has_g, mode):
 
 
 @njit(cache=True, inline="always")
-def _chain_row(xf, of, uf, gf, pf, zr, e0, bc, h, h2, act, has_g, mode, share, adjoint):
-    """One output row of a chain step (elements e0 .. e0 + len(zr) of the flattened channel):
-    phi (:func:`_phi_row`) into zr in place, then combined into of by mode; with ``share``
-    first the h2 step plain into pf. Two passes that vectorise, the same bits as one."""
-    n = zr.size
+def _chain_row(xr, orow, ur, gr, pr, zr, bc, h, h2, act, has_g, mode, share, adjoint):
+    """One output row of a chain step (rows of x, out, u, g, p and of the convolution z):
+    phi (:func:`_phi_row`) into zr in place, then combined into orow by mode; with ``share``
+    first the h2 step plain into pr. Two passes that vectorise, the same bits as one."""
     if share:
-        _phi_row(xf, e0, zr, bc, h2, act, adjoint, pf[e0:e0 + n])
-    _phi_row(xf, e0, zr, bc, h, act, adjoint, zr)
-    _combine_row(zr, of[e0:e0 + n], uf[e0:e0 + n], gf[e0:e0 + n], has_g, mode)
+        _phi_row(xr, zr, bc, h2, act, adjoint, pr)
+    _phi_row(xr, zr, bc, h, act, adjoint, zr)
+    _combine_row(zr, orow, ur, gr, has_g, mode)
+
+
+@njit(cache=True)
+def _conv_sample_step(x, Dl, bi, Kp, bl, h, act, offs, geo, xp, work, out, adjoint):
+    """out[bi] = phi of sample bi through the single kernels' per-sample code (forward:
+    :func:`_conv_sample_forward`, adjoint: :func:`_conv_sample_vjp` of the input), the
+    arithmetic of :func:`_phi_row`."""
+    if adjoint:
+        _pad_flat(x, Dl, bi, xp, True, geo[0], geo[1], geo[2], geo[3])
+        _conv_sample_vjp(xp, xp, bi, Kp, h, True, offs, geo, work, x, out,
+                         np.empty((0, 1, 1), dtype=x.dtype), np.empty(0), True, False)
+    else:
+        _conv_sample_forward(x, bi, Kp, bl, h, act, True, offs, geo, xp, work, out,
+                             np.empty((0, 0, 0, 0), dtype=x.dtype))
 
 
 @njit(cache=True)
@@ -177,34 +191,45 @@ def _conv_planes(x, Kl, bl, Dl, h, act, xp, work, out, u, g, has_g, mode, h2, p,
     """One conv step of every sample into out by mode (forward: x + h sigma(conv(x) + b);
     adjoint: x + h conv^T(Dl * x); bl is not read); Kl (C, C, 3, 3) the layer's kernel, grouped
     (flipped for the adjoint) by :func:`_kpack`; with ``share`` also the same with h2, plain,
-    into p. The samples run through the single kernels' core (same bits)."""
+    into p. The samples run through the single kernels' core (same bits). A plain step (mode
+    2: relaxation chains) takes the single kernels' per-sample code whole, phi into out
+    (then + g, the bits of :func:`_combine_row`): 2x faster than the rows below at 16x16."""
     H, Wd = x.shape[2], x.shape[3]
     geo = _conv_geometry(2, (H, Wd))
     Hpl, RS, PS, q0 = geo[0], geo[1], geo[2], geo[3]
     offs = _conv_offsets(2, RS, PS)
     Kp = _kpack(Kl.reshape((Kl.shape[0], Kl.shape[1] * 9)), 9, adjoint)
+    if mode == 2 and not share:
+        for bi in range(x.shape[0]):
+            _conv_sample_step(x, Dl, bi, Kp, bl, h, act, offs, geo, xp, work, out, adjoint)
+            if has_g:
+                o, gb = out[bi].reshape(-1), g[bi].reshape(-1)
+                for k in range(o.size):
+                    o[k] = o[k] + gb[k]
+        return
     for bi in range(x.shape[0]):
-        _pad_flat(x, Dl, bi, xp, adjoint, Hpl, RS, PS, q0)
+        if adjoint:  # (a literal flag: _pad_flat's loop is unswitched)
+            _pad_flat(x, Dl, bi, xp, True, Hpl, RS, PS, q0)
+        else:
+            _pad_flat(x, x, bi, xp, False, Hpl, RS, PS, q0)
         z = _conv_run(xp, Kp, offs, geo, work)
         for c in range(z.shape[0]):
             bc = z.dtype.type(0) if adjoint else bl[c]
-            xf, of = x[bi, c].reshape(H * Wd), out[bi, c].reshape(H * Wd)
-            uf, gf = u[bi, c].reshape(H * Wd), g[bi, c].reshape(H * Wd)
-            pf = p[bi, c].reshape(H * Wd)
             for r in range(H):
                 zr = z[c, r * RS:r * RS + Wd]
+                xr, orow, ur, gr, pr = x[bi, c, r], out[bi, c, r], u[bi, c, r], g[bi, c, r], \
+                    p[bi, c, r]
                 if adjoint:  # constant act / adjoint per loop: the branches fold
-                    _chain_row(xf, of, uf, gf, pf, zr, r * Wd, bc, h, h2, 2, has_g, mode,
-                               share, True)
+                    _chain_row(xr, orow, ur, gr, pr, zr, bc, h, h2, 2, has_g, mode, share, True)
                 elif act == 0:
-                    _chain_row(xf, of, uf, gf, pf, zr, r * Wd, bc, h, h2, 0, has_g, mode,
-                               share, False)
+                    _chain_row(xr, orow, ur, gr, pr, zr, bc, h, h2, 0, has_g, mode, share,
+                               False)
                 elif act == 1:
-                    _chain_row(xf, of, uf, gf, pf, zr, r * Wd, bc, h, h2, 1, has_g, mode,
-                               share, False)
+                    _chain_row(xr, orow, ur, gr, pr, zr, bc, h, h2, 1, has_g, mode, share,
+                               False)
                 else:
-                    _chain_row(xf, of, uf, gf, pf, zr, r * Wd, bc, h, h2, 2, has_g, mode,
-                               share, False)
+                    _chain_row(xr, orow, ur, gr, pr, zr, bc, h, h2, 2, has_g, mode, share,
+                               False)
 
 
 @njit(cache=True)
