@@ -100,17 +100,24 @@ def _fused_steps(model, fwd, bwd, x, y, keep, monkeypatch, calls, **kw):
     return out, done
 
 
+def _fused_model(kind, activation):
+    if kind == "dense":
+        return mgnn.dense_resnet(5, 6, 3, 16, activation=activation, seed=2), (6, 5)
+    return mgnn.conv_resnet(1, 2, (5, 4), 3, 16, activation=activation, seed=2), (6, 1, 5, 4)
+
+
 @pytest.mark.parametrize("capture", [True, False])
 @pytest.mark.parametrize("activation", ["relu", "tanh"])
+@pytest.mark.parametrize("kind", ["dense", "conv"])
 @pytest.mark.parametrize("setting", list(SETTINGS))
-def test_fused_kinds_keep_sigma_prime_of_the_final_sweep(setting, activation, capture,
+def test_fused_kinds_keep_sigma_prime_of_the_final_sweep(setting, kind, activation, capture,
                                                           monkeypatch):
     fwd, bwd = SETTINGS[setting]
-    rng = np.random.default_rng(5)
-    x, y = rng.standard_normal((6, 5)), rng.integers(0, 3, 6)
     runs, dones, calls = {}, {}, []
     for keep in (True, False):
-        model = mgnn.dense_resnet(5, 6, 3, 16, activation=activation, seed=2)
+        model, shape = _fused_model(kind, activation)
+        rng = np.random.default_rng(5)
+        x, y = rng.standard_normal(shape), rng.integers(0, 3, 6)
         runs[keep], dones[keep] = _fused_steps(model, fwd, bwd, x, y, keep, monkeypatch, calls,
                                                capture=capture)
     for (l1, g1), (l2, g2) in zip(runs[True], runs[False]):
@@ -188,3 +195,38 @@ def test_chains_forward_derivs_against_the_reference():
         nb.dense_chains_forward_derivs(U.copy(), W, b, chains, -1, 1, h, 0, D, 2.0, done)
     with pytest.raises(ValueError, match="done must be"):
         nb.dense_deriv_missing(U, 2, 8, W, b, 2, 0, D, done[:3])
+
+
+def test_conv_chains_forward_derivs_against_the_single_kernels():
+    """The conv kernel: the same states as conv_chains_forward bit for bit, sigma' of every
+    layer it stepped as conv_deriv computes it (the same bits), flags set, other rows untouched;
+    conv_deriv_missing then completes what conv_deriv_stacked gives."""
+    from mgnn.backend import get_backend
+    nb = get_backend("numba")
+    rng = np.random.default_rng(8)
+    W = (rng.standard_normal((12, 3, 3, 3, 3)) * 0.3).astype(np.float32)
+    b = rng.standard_normal((12, 3)).astype(np.float32)
+    U = rng.standard_normal((14, 2, 3, 5, 6)).astype(np.float32)
+    chains = np.array([[1, 3], [6, 2], [10, 3]], dtype=np.int64)
+    h = np.float32(0.3)
+    for act in (0, 1, 2):
+        for parallel in (False, True):
+            V = U.copy()
+            nb.conv_chains_forward(V, None, W, b, chains, -1, 1, h, act, parallel=parallel)
+            X = U.copy()
+            D, done = np.full((8,) + U.shape[1:], 7, np.float32), np.zeros(8, np.int8)
+            nb.conv_chains_forward_derivs(X, W, b, chains, -1, 1, h, act, D, 2, done,
+                                          parallel=parallel)
+            np.testing.assert_array_equal(X, V)
+            stepped = [f - 1 + q for f, n in chains.tolist() for q in range(n)]
+            for p in range(8):
+                if p + 2 in stepped:
+                    assert done[p] == 1
+                    np.testing.assert_array_equal(
+                        D[p], nb.conv_deriv(X[p + 2], W[p + 2], b[p + 2], act))
+                else:
+                    assert done[p] == 0 and (D[p] == 7).all()
+            nb.conv_deriv_missing(X, 2, 8, W, b, 2, act, D, done)
+            full = np.empty_like(D)
+            nb.conv_deriv_stacked(X, 2, 8, W, b, 2, act, full)
+            np.testing.assert_array_equal(D, full)

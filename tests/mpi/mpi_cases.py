@@ -610,8 +610,9 @@ def case_captured():
     the tape's segments): three training steps (parameters updated between them) equal the
     uncaptured engine's bit for bit, for dense, conv and GRU networks, both coarsest modes,
     fixed, converged and F-cycles (4 levels: some ranks own no coarsest point); the replayed
-    tapes hold message actions (GRU: a kind without tapes, the same results); dense also equals
-    a run that evaluates sigma' of every layer again instead of keeping the final sweep's."""
+    tapes hold message actions (GRU: a kind without tapes, the same results); dense and conv
+    also equal a run that evaluates sigma' of every layer again instead of keeping the final
+    sweep's."""
     import mgnn
     from mgnn.optim import SGD
     from mgnn.propagators import ForwardPropagator
@@ -635,10 +636,10 @@ def case_captured():
         for name, fwd, bwd in settings:
             for coarsest in ("redundant", "sequential"):
                 runs = []
-                # dense: a third run that evaluates sigma' of every layer again (the final
-                # sweep's kept sigma' must give the same bits on layer ranks too)
+                # fused kinds: a third run that evaluates sigma' of every layer again (the
+                # final sweep's kept sigma' must give the same bits on layer ranks too)
                 variants = [(True, True), (False, True)] + (
-                    [(True, False)] if kind == "dense" else [])
+                    [(True, False)] if kind in ("dense", "conv") else [])
                 for capture, keep in variants:
                     m = model
                     params = m.params.flat.copy()

@@ -349,6 +349,45 @@ def _dense_deriv_chains_par(U, W, b, idx, l0, ls, h, act, D, d_lo, done):
 
 
 @njit(cache=True)
+def _conv_deriv_chain(U, W, b, first, n, layer0, layer_step, h, act, xp, work, D, d_lo, done):
+    geo = _conv_geometry(2, (U.shape[3], U.shape[4]))
+    offs = _conv_offsets(2, geo[1], geo[2])
+    none = np.empty((0, 0, 0, 0), dtype=U.dtype)
+    for i in range(first, first + n):  # a plain conv step (_conv_planes' per-sample path)
+        l = layer0 + i * layer_step
+        Kl = W[l]
+        Kp = _kpack(Kl.reshape((Kl.shape[0], Kl.shape[1] * 9)), 9, False)
+        p = l - d_lo
+        keep = 0 <= p < D.shape[0]
+        Dp = D[p] if keep else none
+        for bi in range(U.shape[1]):
+            _conv_sample_forward(U[i - 1], bi, Kp, b[l], h, act, True, offs, geo, xp, work,
+                                 U[i], Dp)
+        if keep:
+            done[p] = 1
+
+
+@njit(cache=True)
+def _conv_deriv_chains(U, W, b, idx, l0, ls, h, act, D, d_lo, done):
+    xp, work = _conv_scratch(U, 2)
+    for c in range(idx.shape[0]):
+        _conv_deriv_chain(U, W, b, idx[c, 0], idx[c, 1], l0, ls, h, act, xp, work, D, d_lo,
+                          done)
+
+
+@njit(cache=True, parallel=True)
+def _conv_deriv_chains_par(U, W, b, idx, l0, ls, h, act, D, d_lo, done):
+    for c in prange(idx.shape[0]):
+        xp, work = _conv_scratch(U, 2)
+        _conv_deriv_chain(U, W, b, idx[c, 0], idx[c, 1], l0, ls, h, act, xp, work, D, d_lo,
+                          done)
+
+
+_DERIV_DRIVERS = {"dense": (_dense_deriv_chains, _dense_deriv_chains_par),
+                  "conv": (_conv_deriv_chains, _conv_deriv_chains_par)}
+
+
+@njit(cache=True)
 def _dense_adj_scratch(U, mode):
     return np.empty(U.shape[1:], dtype=U.dtype), np.empty(U.shape[1:], dtype=U.dtype)
 
@@ -620,15 +659,12 @@ def _stacked_kind(kind):
         _check_derivs(U, D, d_lo, done)
         if parallel is None:
             parallel = s.shape[0] > 1 and numba.get_num_threads() > 1
-        driver = (_dense_deriv_chains_par if parallel else _dense_deriv_chains)
-        _call_driver(driver, bool(parallel), U, W, b, s, layer0, layer_step, h, act, D,
-                     int(d_lo), done)
+        _call_driver(_DERIV_DRIVERS[kind][bool(parallel)], bool(parallel) or kind == "conv", U,
+                     W, b, s, layer0, layer_step, h, act, D, int(d_lo), done)
 
     fns = {}
-    kernels = (chains_forward, points_forward, chains_adjoint, points_adjoint)
-    if kind == "dense":
-        kernels += (chains_forward_derivs,)
-    for fn in kernels:
+    for fn in (chains_forward, points_forward, chains_adjoint, points_adjoint,
+               chains_forward_derivs):
         fn.__name__ = fn.__qualname__ = f"{kind}_{fn.__name__}"
         fn.__doc__ = (f"Numba kernel, one call for all chains / points; contract of "
                       f":data:`mgnn.backend.STACKED_KERNELS`. ``parallel`` (None: threads and "

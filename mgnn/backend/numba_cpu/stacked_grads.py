@@ -50,6 +50,18 @@ def _conv_deriv_stacked(U, first, count, K, b, layer0, act, D, nblk):
 
 
 @njit(cache=True)
+def _conv_deriv_missing(U, first, count, K, b, layer0, act, D, done, nblk):
+    one = U.dtype.type(1)
+    H, Wd = U.shape[3], U.shape[4]
+    for p in range(count):
+        if done[p] == 0:
+            Kl = K[layer0 + p]
+            D[p] = _conv_forward_all(U[first + p], Kl.reshape((Kl.shape[0], Kl.shape[1] * 9)),
+                                     b[layer0 + p], one, act, False, False, True, 2, (H, Wd),
+                                     nblk)[1]
+
+
+@njit(cache=True)
 def _conv_vjp_params_stacked(L, l_first, l_stride, D, U, u_first, count, layer0, h, gK, gb,
                              nblk):
     H, Wd = U.shape[3], U.shape[4]
@@ -60,6 +72,13 @@ def _conv_vjp_params_stacked(L, l_first, l_stride, D, U, u_first, count, layer0,
                                     True, 2, (H, Wd), nblk)
         gK[layer0 + p] = gKl.reshape(Kl.shape)
         gb[layer0 + p] = gbl
+
+
+def _check_done(done, count):
+    """The int8 flags of a ``*_deriv_missing`` call: at least ``count``."""
+    if getattr(done, "dtype", None) != np.int8 or done.ndim != 1 or done.shape[0] < count:
+        raise ValueError(f"done must be an int8 array of at least {count} flags, got "
+                         f"{getattr(done, 'dtype', None)} {getattr(done, 'shape', None)}")
 
 
 def _stacked_grads():
@@ -77,14 +96,20 @@ def _stacked_grads():
         """:func:`dense_deriv_stacked` for the rows p with ``done[p] == 0`` only (the rows a
         forward solve's final sweep did not write: :func:`dense_chains_forward_derivs`)."""
         count = check_stacked_grads("dense", U, first, count, W, layer0, D, b)
-        if getattr(done, "dtype", None) != np.int8 or done.shape[0] < count:
-            raise ValueError(f"done must be an int8 array of at least {count} flags, got "
-                             f"{getattr(done, 'dtype', None)} {getattr(done, 'shape', None)}")
+        _check_done(done, count)
         if count and _wide(U.shape[1] * W.shape[1], U.dtype, act):
             for p in np.flatnonzero(done[:count] == 0):
                 D[p] = dense_deriv(U[first + p], W[layer0 + p], b[layer0 + p], act)
             return
         _dense_deriv_missing(U, first, count, W, b, layer0, act, D, done)
+
+    def conv_deriv_missing(U, first, count, K, b, layer0, act, D, done):
+        """:func:`conv_deriv_stacked` for the rows p with ``done[p] == 0`` only (see
+        :func:`dense_deriv_missing`)."""
+        count = check_stacked_grads("conv", U, first, count, K, layer0, D, b)
+        _check_done(done, count)
+        with one_blas_thread():
+            _conv_deriv_missing(U, first, count, K, b, layer0, act, D, done, _blocks())
 
     def dense_vjp_params_stacked(L, l_first, l_stride, D, U, u_first, count, layer0, h, gW, gb):
         count = check_stacked_grads("dense", U, u_first, count, gW, layer0, D, gb, L, l_first,
@@ -113,6 +138,7 @@ def _stacked_grads():
                       ":data:`mgnn.backend.STACKED_GRAD_KERNELS`.")
         fns[fn.__name__] = fn
     fns["dense_deriv_missing"] = dense_deriv_missing
+    fns["conv_deriv_missing"] = conv_deriv_missing
     return fns
 
 
