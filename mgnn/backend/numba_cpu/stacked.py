@@ -8,7 +8,7 @@ from numba import prange
 from ..blas_threads import one_blas_thread
 from ..numpy_ref import check_stacked
 from .conv import (_conv_geometry, _conv_offsets, _conv_run, _conv_sample_forward,
-                   _conv_sample_vjp, _conv_work, _kpack, _pad_flat)
+                   _conv_sample_vjp, _conv_work, _fwd_row, _kpack, _pad_flat)
 from .dense import _dense_epilogue
 from .activations import _sig, njit, overload
 
@@ -128,18 +128,6 @@ def _dense_adj_step(lam, Wl, Dl, h, s, z, out, u, g, has_g, mode):
 
 
 @njit(cache=True, inline="always")
-def _phi_row(xr, zr, bc, h, act, adjoint, dst):
-    """dst = phi of one output row: xr + h sigma(zr + bc) (forward; in float64, rounded once, as
-    the single kernels' :func:`_fwd_row`) or xr + h zr (adjoint). dst may be zr itself
-    (element by element)."""
-    for xx in range(zr.size):
-        if adjoint:
-            dst[xx] = xr[xx] + h * zr[xx]
-        else:
-            dst[xx] = xr[xx] + h * np.float64(_sig(zr[xx] + bc, act))
-
-
-@njit(cache=True, inline="always")
 def _combine_row(v, o, u, g, has_g, mode):
     """o = the arithmetic of :func:`_combine` on a row of phi v (mode 0 (v - u) [+ g],
     1 (o + u) - v, 2 v [+ g]); the branches sit outside the loops, which vectorise."""
@@ -160,22 +148,11 @@ def _combine_row(v, o, u, g, has_g, mode):
             o[k] = v[k]
 
 
-@njit(cache=True, inline="always")
-def _chain_row(xr, orow, ur, gr, pr, zr, bc, h, h2, act, has_g, mode, share, adjoint):
-    """One output row of a chain step (rows of x, out, u, g, p and of the convolution z):
-    phi (:func:`_phi_row`) into zr in place, then combined into orow by mode; with ``share``
-    first the h2 step plain into pr. Two passes that vectorise, the same bits as one."""
-    if share:
-        _phi_row(xr, zr, bc, h2, act, adjoint, pr)
-    _phi_row(xr, zr, bc, h, act, adjoint, zr)
-    _combine_row(zr, orow, ur, gr, has_g, mode)
-
-
 @njit(cache=True)
 def _conv_sample_step(x, Dl, bi, Kp, bl, h, act, offs, geo, xp, work, out, adjoint):
     """out[bi] = phi of sample bi through the single kernels' per-sample code (forward:
-    :func:`_conv_sample_forward`, adjoint: :func:`_conv_sample_vjp` of the input), the
-    arithmetic of :func:`_phi_row`."""
+    :func:`_conv_sample_forward`, x + h sigma(conv(x) + b) in float64 rounded once; adjoint:
+    :func:`_conv_sample_vjp` of the input, x + h conv^T(Dl * x))."""
     if adjoint:
         _pad_flat(x, Dl, bi, xp, True, geo[0], geo[1], geo[2], geo[3])
         _conv_sample_vjp(xp, xp, bi, Kp, h, True, offs, geo, work, x, out,
@@ -186,55 +163,69 @@ def _conv_sample_step(x, Dl, bi, Kp, bl, h, act, offs, geo, xp, work, out, adjoi
 
 
 @njit(cache=True)
+def _conv_sample_shared(x, Dl, bi, Kp, bl, h, h2, act, offs, geo, xp, work, out, p, adjoint):
+    """:func:`_conv_sample_step` with step sizes h into out[bi] and h2 into p[bi] from one
+    convolution (the same rows' arithmetic as the single kernels: the same bits as two steps)."""
+    Hpl, RS, PS, q0 = geo[0], geo[1], geo[2], geo[3]
+    nrows, Wd = x.shape[2], x.shape[3]
+    if adjoint:
+        _pad_flat(x, Dl, bi, xp, True, Hpl, RS, PS, q0)
+    else:
+        _pad_flat(x, x, bi, xp, False, Hpl, RS, PS, q0)
+    z = _conv_run(xp, Kp, offs, geo, work)
+    for c in range(z.shape[0]):
+        bc = z.dtype.type(0) if adjoint else bl[c]  # (the adjoint's bl is a placeholder)
+        for r in range(nrows):
+            start = r * RS
+            zr, xr = z[c, start:start + Wd], x[bi, c, r]
+            yr, pr = out[bi, c, r], p[bi, c, r]
+            if adjoint:
+                for xx in range(Wd):
+                    yr[xx] = xr[xx] + h * zr[xx]
+                for xx in range(Wd):
+                    pr[xx] = xr[xx] + h2 * zr[xx]
+            elif act == 0:  # a constant act per loop: its branches fold, the loops vectorise
+                _fwd_row(zr, xr, yr, zr[:0], bc, h, 0, True)
+                _fwd_row(zr, xr, pr, zr[:0], bc, h2, 0, True)
+            elif act == 1:
+                _fwd_row(zr, xr, yr, zr[:0], bc, h, 1, True)
+                _fwd_row(zr, xr, pr, zr[:0], bc, h2, 1, True)
+            else:
+                _fwd_row(zr, xr, yr, zr[:0], bc, h, 2, True)
+                _fwd_row(zr, xr, pr, zr[:0], bc, h2, 2, True)
+
+
+@njit(cache=True)
 def _conv_planes(x, Kl, bl, Dl, h, act, xp, work, out, u, g, has_g, mode, h2, p, share,
                  adjoint):
     """One conv step of every sample into out by mode (forward: x + h sigma(conv(x) + b);
-    adjoint: x + h conv^T(Dl * x); bl is not read); Kl (C, C, 3, 3) the layer's kernel, grouped
-    (flipped for the adjoint) by :func:`_kpack`; with ``share`` also the same with h2, plain,
-    into p. The samples run through the single kernels' core (same bits): without ``share``
-    the single kernels' per-sample code whole, phi straight into out (a plain step without g:
-    relaxation chains) or into one sample's scratch combined by :func:`_combine_row` (2x
-    faster than the rows below at 16x16); a shared step by rows of one convolution."""
-    H, Wd = x.shape[2], x.shape[3]
-    geo = _conv_geometry(2, (H, Wd))
-    Hpl, RS, PS, q0 = geo[0], geo[1], geo[2], geo[3]
-    offs = _conv_offsets(2, RS, PS)
+    adjoint: x + h conv^T(Dl * x); bl is not read then); Kl (C, C, 3, 3) the layer's kernel,
+    grouped (flipped for the adjoint) by :func:`_kpack`; with ``share`` (mode 2) also the same
+    with h2, plain, into p. The samples run through the single kernels' per-sample code (the
+    same bits): phi straight into out (a plain step; + g after it), or into one sample's
+    scratch combined by :func:`_combine_row` (residual and FAS modes)."""
+    geo = _conv_geometry(2, (x.shape[2], x.shape[3]))
+    offs = _conv_offsets(2, geo[1], geo[2])
     Kp = _kpack(Kl.reshape((Kl.shape[0], Kl.shape[1] * 9)), 9, adjoint)
-    if not share:
-        v = np.empty((1,) + x.shape[1:], dtype=x.dtype)  # phi of one sample (other modes)
-        vf = v.reshape(-1)
-        for bi in range(x.shape[0]):
-            if mode == 2 and not has_g:
-                _conv_sample_step(x, Dl, bi, Kp, bl, h, act, offs, geo, xp, work, out, adjoint)
-                continue
-            _conv_sample_step(x[bi:bi + 1], Dl[bi:bi + 1], 0, Kp, bl, h, act, offs, geo, xp,
-                              work, v, adjoint)
-            _combine_row(vf, out[bi].reshape(-1), u[bi].reshape(-1), g[bi].reshape(-1), has_g,
-                         mode)
-        return
+    v = np.empty((1,) + x.shape[1:], dtype=x.dtype)  # phi of one sample (other modes)
+    vf = v.reshape(-1)
     for bi in range(x.shape[0]):
-        if adjoint:  # (a literal flag: _pad_flat's loop is unswitched)
-            _pad_flat(x, Dl, bi, xp, True, Hpl, RS, PS, q0)
-        else:
-            _pad_flat(x, x, bi, xp, False, Hpl, RS, PS, q0)
-        z = _conv_run(xp, Kp, offs, geo, work)
-        for c in range(z.shape[0]):
-            bc = z.dtype.type(0) if adjoint else bl[c]
-            for r in range(H):
-                zr = z[c, r * RS:r * RS + Wd]
-                xr, orow, ur, gr, pr = x[bi, c, r], out[bi, c, r], u[bi, c, r], g[bi, c, r], \
-                    p[bi, c, r]
-                if adjoint:  # constant act / adjoint per loop: the branches fold
-                    _chain_row(xr, orow, ur, gr, pr, zr, bc, h, h2, 2, has_g, mode, share, True)
-                elif act == 0:
-                    _chain_row(xr, orow, ur, gr, pr, zr, bc, h, h2, 0, has_g, mode, share,
-                               False)
-                elif act == 1:
-                    _chain_row(xr, orow, ur, gr, pr, zr, bc, h, h2, 1, has_g, mode, share,
-                               False)
-                else:
-                    _chain_row(xr, orow, ur, gr, pr, zr, bc, h, h2, 2, has_g, mode, share,
-                               False)
+        if mode == 2:
+            if share:
+                _conv_sample_shared(x, Dl, bi, Kp, bl, h, h2, act, offs, geo, xp, work, out,
+                                    p, adjoint)
+            else:
+                _conv_sample_step(x, Dl, bi, Kp, bl, h, act, offs, geo, xp, work, out,
+                                  adjoint)
+            if has_g:  # phi rounded in out, then + g: the bits of _combine_row
+                o, gb = out[bi].reshape(-1), g[bi].reshape(-1)
+                for k in range(o.size):
+                    o[k] = o[k] + gb[k]
+            continue
+        _conv_sample_step(x[bi:bi + 1], Dl[bi:bi + 1], 0, Kp, bl, h, act, offs, geo, xp,
+                          work, v, adjoint)
+        _combine_row(vf, out[bi].reshape(-1), u[bi].reshape(-1), g[bi].reshape(-1), has_g,
+                     mode)
 
 
 @njit(cache=True)

@@ -159,6 +159,16 @@ def _tape_row(S, row, hs, W, P, d0, act, adjoint, a, b, p, steps_only=False):
 
 @njit(cache=True)
 def _tape(S, ops, hs, W, P, d0, act, adjoint, norms):
+    # adjoint as a constant: with it and d0 both run-time values LLVM compiled the chain
+    # bodies below ~1.7x slower (a conv step of a tape 0.67 ms against the engine's 0.40)
+    if adjoint:
+        _tape_serial(S, ops, hs, W, P, d0, act, True, norms)
+    else:
+        _tape_serial(S, ops, hs, W, P, d0, act, False, norms)
+
+
+@njit(cache=True)
+def _tape_serial(S, ops, hs, W, P, d0, act, adjoint, norms):
     a, b = _tape_scratch(S[0])
     p = np.empty(S[0].shape[1:], dtype=S[0].dtype)
     k = 0
@@ -182,8 +192,16 @@ def _tape_norm(S, row, hs, W, P, d0, act, adjoint, a, b, p, norms):
         norms[row[_T.NORM]] += t
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True)
 def _tape_par(S, ops, hs, W, P, d0, act, adjoint, norms):
+    if adjoint:  # (a constant, as in _tape)
+        _tape_threads(S, ops, hs, W, P, d0, act, True, norms)
+    else:
+        _tape_threads(S, ops, hs, W, P, d0, act, False, norms)
+
+
+@njit(cache=True, parallel=True)
+def _tape_threads(S, ops, hs, W, P, d0, act, adjoint, norms):
     a, b = _tape_scratch(S[0])
     p = np.empty(S[0].shape[1:], dtype=S[0].dtype)
     k = 0
