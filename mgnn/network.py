@@ -204,7 +204,8 @@ class LayerParallel:
         self._previous_states = None
         self._solvers = {}
         # the last forward solve's linearisation caches: {layer: cache} (composed kinds) or
-        # (sigma' rows D, first layer, int8 flags of the rows written) (fused kinds)
+        # ((sigma' rows D,) or (gate caches, outputs), first layer, int8 flags of the rows
+        # written) (fused, recurrent kinds)
         self._kept = None
         self._replica_buffers, self._replica_seconds = {}, 0.0
         self._arrays = {}  # per-shape arrays reused by every step (:meth:`_reused`)
@@ -429,18 +430,22 @@ class LayerParallel:
         st.template = U[lo] if len(owned) else U[N]
         st.solver = self._solver("adjoint", bwd or self._serial_opts)
         st.layered = not m.step.fused and st.solver.prop._layered
+        kept = st.kept if isinstance(st.kept, tuple) else None  # the final sweep's, if kept
         if st.layered:  # recurrent kinds: every owned step's caches in one call, from the store
+            done = None
             if st.store is not None:
                 Uf, first = st.store[0], lo - st.store[1] + 1
+                done = None if kept is None else kept[2]  # (only the rows left to compute)
             else:  # the forward ran on the list engine: its states stacked once
                 Uf, first = self.xp.stack([U[n] for n in owned] or [st.template]), 0
             st.D = m.step.linearize_stacked(steps, Uf, first, len(owned), lo, bk, self.ctx,
-                                            self._reused)
+                                            self._reused, done)
         elif not m.step.fused:
             st.D = [None] * N
-            kept = st.kept or {}  # the final sweep's caches: all but the steps into C-points
+            # the final sweep's (composed kinds: all but the steps into C-points)
+            caches = st.kept if isinstance(st.kept, dict) else {}
             for n in owned:
-                cache = kept.get(n)
+                cache = caches.get(n)
                 st.D[n] = m.step.linearize(steps, n, U[n], bk, self.ctx) if cache is None \
                     else cache
             self._commit_buffers(owned, st.D)
@@ -448,8 +453,7 @@ class LayerParallel:
             st.derivs = self._reused("derivs", (len(owned),) + st.template.shape,
                                      st.template.dtype)
             Uf, a_f = st.store  # state n in slot n - a_f + 1
-            kept = st.kept if isinstance(st.kept, tuple) else None
-            if kept is not None and kept[0] is st.derivs:  # the final sweep's, the rest here
+            if kept is not None and kept[0][0] is st.derivs:  # the final sweep's, the rest here
                 m.step.deriv_missing(W, b, Uf, lo - a_f + 1, len(owned), lo, st.derivs, kept[2],
                                      bk)
             else:
@@ -679,8 +683,11 @@ class LayerParallel:
             owned = len(self.layers)
             done = self._reused("derivs_done", (owned,), np.int8)
             done[...] = 0
-            derivs = (self._reused("derivs", (owned,) + tuple(u0.shape), m.dtype),
-                      self.layers.start, done)
+            if prop._layered:  # the arrays _linearize's linearize_stacked fills
+                kept = m.step.kept_arrays(tuple(u0.shape), owned, m.dtype, self._reused)
+            else:
+                kept = (self._reused("derivs", (owned,) + tuple(u0.shape), m.dtype),)
+            derivs = (kept, self.layers.start, done)
         prop.final_derivs = derivs
         try:
             res = solver.solve(u0, guess)

@@ -42,8 +42,8 @@ class ForwardPropagator:
         # {layer n: linearisation cache} of the level-0 steps out of n while a dict (composed
         # kinds: LayerParallel keeps the final F-relaxation's instead of evaluating them again)
         self.kept = None
-        # (D, lo, done) while set (fused kinds whose backend keeps them, see can_keep_derivs):
-        # the final sweep's chains write sigma' of layer n into D[n - lo] and flag done[n - lo]
+        # (arrays, lo, done) while set (see can_keep_derivs): the final sweep's chains write the
+        # linearisation of layer n into row n - lo of the arrays and flag done[n - lo]
         self.final_derivs = None
 
     def solve_context(self):
@@ -94,19 +94,27 @@ class ForwardPropagator:
         self.kind.chains_forward(self.W, self.b, U, G, chains, origin - stride, stride, h, self.bk)
 
     def can_keep_derivs(self):
-        """Whether :meth:`advance_final` can keep sigma' (:attr:`final_derivs`): a fused kind on the
-        stacked kernels of a backend that has the kernels for it."""
-        return (self.stacked and not self._stepped and not self._layered
+        """Whether :meth:`advance_final` can keep the linearisation (:attr:`final_derivs`): a
+        fused kind (sigma') or a recurrent one (gate caches) on stacked kernels of a backend
+        that has the kernels for it."""
+        return (self.stacked and not self._stepped and (self._layered or self.kind.fused)
                 and self.kind.can_keep_derivs(self.bk))
 
     def advance_final(self, U, G, chains, origin, stride, level):
-        """:meth:`advance` of the solve's final relaxation: with :attr:`final_derivs` set, level
-        0 and no right-hand side, the same states, and sigma' of every layer stepped kept in D."""
+        """:meth:`advance` of the solve's final relaxation: with :attr:`final_derivs` = (the
+        kind's arrays, first layer, int8 flags) set, level 0 and no right-hand side, the same
+        states, and the linearisation of every layer stepped kept (fused: sigma' into D,
+        recurrent: the caches and outputs of :meth:`RecurrentStep.kept_arrays`)."""
         if self.final_derivs is None or level != 0 or G is not None:
             return self.advance(U, G, chains, origin, stride, level)
-        D, lo, done = self.final_derivs
-        self.kind.chains_forward_derivs(self.W, self.b, U, chains, origin - stride, stride,
-                                        self.dtype.type(stride * self.h), D, lo, done, self.bk)
+        kept, lo, done = self.final_derivs
+        h = self.dtype.type(stride * self.h)
+        if self._layered:
+            self.kind.chains_forward_layers_keep(self.P, U, chains, origin - stride, stride, h,
+                                                 kept, lo, done, self.bk, self.ctx)
+        else:
+            self.kind.chains_forward_derivs(self.W, self.b, U, chains, origin - stride, stride,
+                                            h, kept[0], lo, done, self.bk)
 
     def points(self, U, G, R, slots, out_slots, origin, stride, level, mode):
         """Stacked residual / FAS / plain steps (see :meth:`advance`)."""

@@ -230,3 +230,38 @@ def test_conv_chains_forward_derivs_against_the_single_kernels():
             full = np.empty_like(D)
             nb.conv_deriv_stacked(X, 2, 8, W, b, 2, act, full)
             np.testing.assert_array_equal(D, full)
+
+
+@pytest.mark.parametrize("capture", [True, False])
+@pytest.mark.parametrize("cell", ["gru", "rnn"])
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_recurrent_kinds_keep_the_final_sweeps_caches(setting, cell, capture, monkeypatch):
+    """GRU / RNN over sequence time (2 layers: the outputs are kept too): the final sweep's gate
+    caches (recurrent_chains_forward_keep) and then only the steps left
+    (recurrent_caches_missing) give the training steps bit for bit."""
+    fwd, bwd = SETTINGS[setting]
+    runs, dones = {}, {}
+    for keep in (True, False):
+        build = mgnn.gru_classifier if cell == "gru" else mgnn.rnn_classifier
+        model = build(3, 4, 3, 16, n_layers=2, seed=1)
+        rng = np.random.default_rng(9)
+        x, y = rng.standard_normal((6, 16, 3)), rng.integers(0, 3, 6)
+        with monkeypatch.context() as m:
+            if not keep:
+                m.setattr(ForwardPropagator, "can_keep_derivs", lambda self: False)
+            lp = mgnn.LayerParallel(model, fwd, bwd, backend="numba", guard=None,
+                                    capture=capture)
+            opt = mgnn.optim.SGD(model.params, lr=0.1)
+            out, done = [], []
+            for _ in range(3):
+                loss, g = lp.loss_and_grad(x, y)
+                out.append((loss, g.flat.copy()))
+                flags = lp._arrays.get(("derivs_done", (16,), np.dtype(np.int8).str))
+                done.append(None if flags is None else int(flags.sum()))
+                opt.step(g)
+        runs[keep], dones[keep] = out, done
+    for (l1, g1), (l2, g2) in zip(runs[True], runs[False]):
+        assert l1 == l2
+        np.testing.assert_array_equal(g1, g2)
+    expect = 16 if fwd.max_levels == 1 else 16 - 16 // fwd.cf
+    assert dones[True] == [expect] * 3 and dones[False] == [None] * 3

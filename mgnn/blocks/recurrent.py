@@ -228,6 +228,29 @@ class RecurrentStep:
         bk.recurrent_chains_forward(cell, gi0, U, G, chains, layer0, layer_step, WihT, WhhT,
                                     bih, bhh, dt, mode)
 
+    def can_keep_derivs(self, bk):
+        """Whether ``bk`` keeps a final sweep's linearisation (``recurrent_chains_forward_keep``
+        and ``recurrent_caches_missing``)."""
+        return all(callable(getattr(bk, k, None)) for k in ("recurrent_chains_forward_keep",
+                                                           "recurrent_caches_missing"))
+
+    def kept_arrays(self, state_shape, count, dtype, scratch):
+        """(D, Y) of :meth:`linearize_stacked` for ``count`` steps of states ``state_shape``
+        (B, nl, H), from ``scratch(name, shape, dtype)``: the same arrays it fills."""
+        B, nl, H = state_shape
+        return (scratch("recurrent caches", (count, nl, B, self.cache_width * H), dtype),
+                scratch("recurrent outputs", (count if nl > 1 else 0, B, nl, H), dtype))
+
+    def chains_forward_layers_keep(self, P, U, chains, layer0, layer_step, h, kept, lo, done,
+                                   bk, ctx):
+        """:meth:`chains_forward_layers` without right-hand sides (the same states), each step t
+        also writing its linearisation into ``kept`` = (D, Y) at row t - lo (see
+        :meth:`kept_arrays`) and flagging done[t - lo]."""
+        dt, mode = self._rule(h)
+        cell, gi0, WihT, WhhT, bih, bhh = self._stack_args(P, ctx)
+        bk.recurrent_chains_forward_keep(cell, gi0, U, chains, layer0, layer_step, WihT, WhhT,
+                                         bih, bhh, dt, mode, kept[0], kept[1], lo, done)
+
     def points_forward_layers(self, P, U, G, R, slots, out_slots, layer0, layer_step, h,
                               point_mode, bk, ctx):
         """The step into each of U's ``slots`` combined into R by ``point_mode`` (0 residual,
@@ -305,18 +328,22 @@ class RecurrentStep:
             "recurrent_caches", "recurrent_chains_adjoint", "recurrent_points_adjoint",
             "recurrent_gate_cotangents"))
 
-    def linearize_stacked(self, P, U, first, count, t0, bk, ctx, scratch):
+    def linearize_stacked(self, P, U, first, count, t0, bk, ctx, scratch, done=None):
         """The linearisation of the ``count`` steps t0.. at the states U[first..] (a solver's
         store, (m, B, nl, H)) in one backend call: a :class:`StackedLinearization` (gate caches
-        and outputs in arrays from ``scratch(name, shape, dtype)``)."""
-        B, nl, H = U.shape[1:]
-        C = self.cache_width
-        D = scratch("recurrent caches", (count, nl, B, C * H), U.dtype)
-        Y = scratch("recurrent outputs", (count if nl > 1 else 0, B, nl, H), U.dtype)
+        and outputs in arrays from ``scratch(name, shape, dtype)``). ``done``: int8 flags of the
+        rows a final sweep already wrote (:meth:`chains_forward_layers_keep`); only the others
+        are computed."""
+        D, Y = self.kept_arrays(U.shape[1:], count, U.dtype, scratch)
         dt, mode = self._rule(1.0)
         cell, gi0, WihT, WhhT, bih, bhh = self._stack_args(P, ctx)
-        bk.recurrent_caches(cell, gi0, U, first, count, t0, WihT, WhhT, bih, bhh, D, Y, dt, mode)
-        return StackedLinearization(U, first - t0, D, t0, Y, C)
+        if done is None:
+            bk.recurrent_caches(cell, gi0, U, first, count, t0, WihT, WhhT, bih, bhh, D, Y, dt,
+                                mode)
+        else:
+            bk.recurrent_caches_missing(cell, gi0, U, first, count, t0, WihT, WhhT, bih, bhh, D,
+                                        Y, dt, mode, done)
+        return StackedLinearization(U, first - t0, D, t0, Y, self.cache_width)
 
     def _back_weights(self, P, ctx):
         """(W_ih, W_hh) stacked (nl, G H, H), memoised per batch in the context."""

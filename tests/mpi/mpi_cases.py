@@ -610,8 +610,8 @@ def case_captured():
     the tape's segments): three training steps (parameters updated between them) equal the
     uncaptured engine's bit for bit, for dense, conv and GRU networks, both coarsest modes,
     fixed, converged and F-cycles (4 levels: some ranks own no coarsest point); the replayed
-    tapes hold message actions (GRU: a kind without tapes, the same results); dense and conv
-    also equal a run that evaluates sigma' of every layer again instead of keeping the final
+    tapes hold message actions (GRU: a kind without tapes, the same results); and equal a
+    run that evaluates the linearisation of every layer again instead of keeping the final
     sweep's."""
     import mgnn
     from mgnn.optim import SGD
@@ -636,10 +636,9 @@ def case_captured():
         for name, fwd, bwd in settings:
             for coarsest in ("redundant", "sequential"):
                 runs = []
-                # fused kinds: a third run that evaluates sigma' of every layer again (the
-                # final sweep's kept sigma' must give the same bits on layer ranks too)
-                variants = [(True, True), (False, True)] + (
-                    [(True, False)] if kind in ("dense", "conv") else [])
+                # a third run that evaluates the linearisation of every layer again (the final
+                # sweep's kept sigma' / gate caches must give the same bits on layer ranks too)
+                variants = [(True, True), (False, True), (True, False)]
                 for capture, keep in variants:
                     m = model
                     params = m.params.flat.copy()
@@ -661,7 +660,8 @@ def case_captured():
                     ForwardPropagator.can_keep_derivs = keeps
                     runs.append((out, lp))
                 what = f"{kind} {name} {coarsest}"
-                for other, differs in zip(runs[1:], ("uncaptured", "sigma' evaluated again")):
+                for other, differs in zip(runs[1:], ("uncaptured",
+                                                     "the linearisation evaluated again")):
                     for (l1, g1, r1), (l2, g2, r2) in zip(runs[0][0], other[0]):
                         if l1 != l2 or not np.array_equal(g1, g2) or r1 != r2:
                             raise AssertionError(

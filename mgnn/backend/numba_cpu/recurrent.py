@@ -267,6 +267,44 @@ def _rec_chains(cell, gi0, U, G, has_g, chains, layer0, layer_step, WihT, WhhT, 
 
 
 @njit(cache=True)
+def _rec_chains_keep(cell, gi0, U, chains, layer0, layer_step, WihT, WhhT, bih, bhh, dt, mode,
+                     D, Y, d_lo, done):
+    """:func:`_rec_chains` without right-hand sides, each step t also writing its gate caches
+    into D[t - d_lo] and its output into Y[t - d_lo] (Y with rows) where 0 <= t - d_lo <
+    len(D), flagging done[t - d_lo] (a forward solve's final sweep, kept for the adjoint)."""
+    one, dt = _typed(U, dt)
+    hk, inp, gi, out, cache = _rec_scratch(U, WhhT.shape[2], cell)
+    none = np.empty((0, 1, 1, 1), U.dtype)
+    for c in range(chains.shape[0]):
+        for i in range(chains[c, 0], chains[c, 0] + chains[c, 1]):
+            t = layer0 + i * layer_step
+            p = t - d_lo
+            keep = 0 <= p < D.shape[0]
+            _rec_step(cell, U[i - 1], U[i], gi0, t, WihT, WhhT, bih, bhh, dt, mode, one, hk,
+                      inp, gi, out, cache, D if keep else none, p if keep else 0)
+            if keep:
+                if Y.shape[0] > 0:
+                    Y[p] = U[i]
+                done[p] = 1
+
+
+@njit(cache=True)
+def _rec_caches_missing(cell, gi0, U, first, count, layer0, WihT, WhhT, bih, bhh, D, Y, dt,
+                        mode, done):
+    """:func:`_rec_caches` of the rows p with ``done[p] == 0`` only."""
+    one, dt = _typed(U, dt)
+    hk, inp, gi, out, cache = _rec_scratch(U, WhhT.shape[2], cell)
+    y = np.empty(U.shape[1:], U.dtype)
+    for p in range(count):
+        if done[p] != 0:
+            continue
+        _rec_step(cell, U[first + p], y, gi0, layer0 + p, WihT, WhhT, bih, bhh, dt, mode, one,
+                  hk, inp, gi, out, cache, D, p)
+        if Y.shape[0] > 0:
+            Y[p] = y
+
+
+@njit(cache=True)
 def _rec_points(cell, gi0, U, G, has_g, R, slots, outs, layer0, layer_step, WihT, WhhT, bih,
                 bhh, dt, mode, point_mode):
     one, dt = _typed(U, dt)
@@ -505,6 +543,53 @@ def recurrent_chains_forward(cell, gi0, U, G, chains, layer0, layer_step, WihT, 
                                      WhhT, bih, bhh, dt, mode, index_check=_index_check)
     _rec_chains(cell, gi0, U, U if G is None else G, G is not None, chains, layer0, layer_step,
                 WihT, WhhT, bih, bhh, float(dt), int(mode))
+
+
+def recurrent_chains_forward_keep(cell, gi0, U, chains, layer0, layer_step, WihT, WhhT, bih,
+                                  bhh, dt, mode, D, Y, d_lo, done):
+    """:func:`recurrent_chains_forward` without right-hand sides, the same states bit for bit,
+    each time step t of the chains also writing the linearisation :func:`recurrent_caches`
+    gives (D[t - d_lo] (nl, B, C H), Y[t - d_lo] (B, nl, H) when Y has rows) where
+    0 <= t - d_lo < len(D), and setting the int8 flag done[t - d_lo]. One Numba call."""
+    chains = recurrent_stacked_check(cell, gi0, U, None, None, chains, layer0, layer_step, WihT,
+                                     WhhT, bih, bhh, dt, mode, index_check=_index_check)
+    rows = _keep_check(cell, U, D, Y, done)
+    if isinstance(d_lo, bool) or not isinstance(d_lo, (int, np.integer)):
+        raise TypeError(f"d_lo must be an int, got {type(d_lo).__name__}")
+    _rec_chains_keep(cell, gi0, U, chains, layer0, layer_step, WihT, WhhT, bih, bhh, float(dt),
+                     int(mode), D, Y if rows else np.empty((0,) + U.shape[1:], U.dtype),
+                     int(d_lo), done)
+
+
+def recurrent_caches_missing(cell, gi0, U, first, count, layer0, WihT, WhhT, bih, bhh, D, Y, dt,
+                             mode, done):
+    """:func:`recurrent_caches` for the rows p with ``done[p] == 0`` only (those a final sweep
+    did not write: :func:`recurrent_chains_forward_keep`)."""
+    first, count, layer0 = recurrent_caches_check(cell, gi0, U, first, count, layer0, WihT, WhhT,
+                                                  bih, bhh, D, Y, dt, mode)
+    _keep_check(cell, U, D, Y, done)
+    if Y.shape[0] == 0:
+        Y = np.empty((0,) + U.shape[1:], U.dtype)
+    _rec_caches_missing(cell, gi0, U, first, count, layer0, WihT, WhhT, bih, bhh, D, Y,
+                        float(dt), int(mode), done)
+
+
+def _keep_check(cell, U, D, Y, done):
+    """The kept linearisation's arrays: D (rows, nl, B, C H), Y (rows or 0, B, nl, H) of U's
+    dtype, C-contiguous, done an int8 flag per row; returns whether Y has rows."""
+    _, B, nl, H = U.shape
+    C = 4 if cell == 0 else 1
+    rows = getattr(D, "shape", (0,))[0]
+    for name, a, shape in (("D", D, (rows, nl, B, C * H)),
+                           ("Y", Y, (rows if getattr(Y, "shape", (0,))[0] else 0, B, nl, H))):
+        if (getattr(a, "dtype", None) != U.dtype or tuple(a.shape) != shape
+                or not a.flags.c_contiguous):
+            raise ValueError(f"{name} must be a C-contiguous {U.dtype} array of shape {shape}, "
+                             f"got {getattr(a, 'dtype', None)} {getattr(a, 'shape', None)}")
+    if getattr(done, "dtype", None) != np.int8 or getattr(done, "shape", None) != (rows,):
+        raise ValueError(f"done must be an int8 array of shape ({rows},), got "
+                         f"{getattr(done, 'dtype', None)} {getattr(done, 'shape', None)}")
+    return Y.shape[0] > 0
 
 
 def recurrent_points_forward(cell, gi0, U, G, R, slots, out_slots, layer0, layer_step, WihT,
