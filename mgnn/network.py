@@ -420,7 +420,9 @@ class LayerParallel:
         """The linearisation caches D[n] of the owned layers at the final forward states:
         composed kinds one per layer (committing the BN running statistics), recurrent kinds all
         owned steps in one call, fused kinds sigma' of layer n in row n - lo of st.derivs (read
-        straight from the solver's store when stacked: one call, no per-layer Python)."""
+        straight from the solver's store when stacked: one call, no per-layer Python). What the
+        forward solve's final sweep kept (st.kept: every layer it stepped) is not evaluated
+        again: only the layers stepping into C-points and a rank's boundary step are."""
         m, bk, N, U, owned = self.model, self.bk, self.model.n_layers, st.U, st.owned
         lo = owned.start
         steps = st.steps
@@ -435,7 +437,9 @@ class LayerParallel:
             done = None
             if st.store is not None:
                 Uf, first = st.store[0], lo - st.store[1] + 1
-                done = None if kept is None else kept[2]  # (only the rows left to compute)
+                if kept is not None and kept[0][0] is m.step.kept_arrays(
+                        Uf.shape[1:], len(owned), Uf.dtype, self._reused)[0]:
+                    done = kept[2]  # the final sweep's rows kept: only the others computed
             else:  # the forward ran on the list engine: its states stacked once
                 Uf, first = self.xp.stack([U[n] for n in owned] or [st.template]), 0
             st.D = m.step.linearize_stacked(steps, Uf, first, len(owned), lo, bk, self.ctx,

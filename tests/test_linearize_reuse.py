@@ -138,11 +138,12 @@ def test_kept_sigma_prime_where_a_dense_step_takes_the_numpy_route(monkeypatch):
     for activation in ("relu", "tanh"):
         rng = np.random.default_rng(6)
         x, y = rng.standard_normal((128, 40)).astype(np.float32), rng.integers(0, 3, 128)
-        runs = {}
+        runs, dones = {}, {}
         for keep in (True, False):
             model = mgnn.dense_resnet(40, 40, 3, 16, activation=activation, dtype="float32",
                                       seed=2)
-            runs[keep], _ = _fused_steps(model, fwd, bwd, x, y, keep, monkeypatch, [])
+            runs[keep], dones[keep] = _fused_steps(model, fwd, bwd, x, y, keep, monkeypatch, [])
+        assert dones[True] == [16 - 16 // fwd.cf] * 3  # (kept: 128 x 40 is past WIDE)
         for (l1, g1), (l2, g2) in zip(runs[True], runs[False]):
             if activation == "relu":
                 assert l1 == l2
@@ -265,3 +266,17 @@ def test_recurrent_kinds_keep_the_final_sweeps_caches(setting, cell, capture, mo
         np.testing.assert_array_equal(g1, g2)
     expect = 16 if fwd.max_levels == 1 else 16 - 16 // fwd.cf
     assert dones[True] == [expect] * 3 and dones[False] == [None] * 3
+
+
+def test_keep_kernels_are_numba_only_and_the_others_evaluate_whole():
+    """Numba has every KEEP_KERNELS entry; the NumPy reference has none, so its propagators do
+    not keep (and a step there evaluates the linearisation whole, as before)."""
+    from mgnn.backend import KEEP_KERNELS, get_backend
+    nb, ref = get_backend("numba"), get_backend("numpy")
+    assert all(callable(getattr(nb, k, None)) for k in KEEP_KERNELS)
+    assert not any(hasattr(ref, k) for k in KEEP_KERNELS)
+    for build in (lambda: mgnn.dense_resnet(5, 6, 3, 8, seed=2),
+                  lambda: mgnn.gru_classifier(3, 4, 3, 8, seed=1)):
+        model = build()
+        assert ForwardPropagator(model, nb).can_keep_derivs()
+        assert not ForwardPropagator(model, ref).can_keep_derivs()

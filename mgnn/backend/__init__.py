@@ -37,6 +37,13 @@ STACKED_KERNELS = ("dense_chains_forward", "dense_points_forward", "dense_chains
 #: from stacked states; contract in :mod:`mgnn.backend.numpy_ref`), with the stacked kernels.
 STACKED_GRAD_KERNELS = ("dense_deriv_stacked", "dense_vjp_params_stacked", "conv_deriv_stacked",
                         "conv_vjp_params_stacked")
+#: Optional kernels that keep a forward solve's final-sweep linearisation (Numba only; contract
+#: in their docstrings, tested against ``*_chains_forward`` and ``*_deriv_stacked`` /
+#: ``recurrent_caches``): the chains that also write sigma' / gate caches and flag their rows,
+#: and the ones that compute only the rows not flagged. Where a backend lacks them the
+#: linearisation is evaluated whole after the solve.
+KEEP_KERNELS = ("dense_chains_forward_derivs", "dense_deriv_missing", "conv_chains_forward_derivs",
+                "conv_deriv_missing", "recurrent_chains_forward_keep", "recurrent_caches_missing")
 
 #: Optional dropout-mask kernel (counter-based Philox; contract in :mod:`mgnn.backend.numpy_ref`).
 RNG_KERNELS = ("dropout_mask",)

@@ -116,7 +116,7 @@ class _StepKind:
 
     def chains_forward_derivs(self, W, b, U, chains, layer0, layer_step, h, D, d_lo, done, bk):
         """:meth:`chains_forward` without right-hand sides, bit for bit, each step out of slot
-        i - 1 through layer l also writing sigma'(z) into D[l - d_lo] (where 0 <= l - d_lo <
+        i - 1 through layer l also writing sigma'(z + b) into D[l - d_lo] (where 0 <= l - d_lo <
         len(D)) and setting the int8 flag done[l - d_lo]."""
         getattr(bk, self._prefix + "_chains_forward_derivs")(U, W, b, chains, layer0, layer_step,
                                                              h, self.act, D, d_lo, done)

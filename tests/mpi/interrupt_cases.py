@@ -72,6 +72,7 @@ def main(workdir, kind, action, data_ranks, victim):
             prop.step = _failing(prop.step, go, action)
             prop.step_batch = _failing(prop.step_batch, go, action)
             prop.advance = _failing(prop.advance, go, action)  # the stacked path
+            prop.advance_final = _failing(prop.advance_final, go, action)  # its final sweep
         model = mgnn.dense_resnet(6, 6, 3, 16, seed=0)
         opts = MGRITOptions(cf=2, max_levels=2, max_iter=2, tol=0.0)
         lp = mgnn.LayerParallel(model, fwd=opts, bwd=opts, comm=COMM, data_ranks=data_ranks,

@@ -162,8 +162,8 @@ def _sum64(a):
 def _fwd_row(zr, xr, yr, Dr, bc, h, act, residual):
     """One output row in one pass: v = zr + bc, yr = [xr +] h sigma(v) and Dr = sigma'(v), each
     when non-empty (the flags are loop-invariant: the loop is unswitched and vectorises). x + h
-    sigma is evaluated in float64 and rounded once, as the chain epilogue (stacked._phi_row)
-    does: sigma's type may differ between a constant and a variable act (branch pruning),
+    sigma is evaluated in float64 and rounded once, as the dense stacked epilogue
+    (stacked._fwd_phi) does: sigma's type may differ between a constant and a variable act (branch pruning),
     float64 arithmetic on its value does not, so the bits agree."""
     want_y, want_d = yr.size > 0, Dr.size > 0
     for xx in range(zr.size):

@@ -15,9 +15,11 @@ from .activations import _sig, njit, overload
 
 # --------------------------------------------------------------------- stacked-state kernels
 # One njit call per Python call: each chain (first, length, out) runs its steps inside the kernel,
-# chains in parallel (prange) when there are threads. Every step writes straight into its output
-# slot through the same per-element code (_combine) as the single-step kernels' epilogues; the
-# dense steps always take the fused np.dot path (never the NumPy route of WIDE).
+# chains in parallel (prange) when there are threads. A dense step writes straight into its output
+# slot through the same per-element code (_combine) as the single-step kernels' epilogues, always
+# on the fused np.dot path (never the NumPy route of WIDE); a conv step runs each sample through
+# the single kernels' per-sample code, phi straight into the output slot (plain steps) or into a
+# sample's scratch combined by _combine_row (residual and FAS modes).
 stacked_states = True  #: has the stacked-state kernels (:data:`mgnn.backend.STACKED_KERNELS`)
 #: its parallel dense drivers call BLAS from Numba's threads (:mod:`mgnn.backend.blas_threads`)
 blas_in_threads = True
@@ -165,7 +167,8 @@ def _conv_sample_step(x, Dl, bi, Kp, bl, h, act, offs, geo, xp, work, out, adjoi
 @njit(cache=True)
 def _conv_sample_shared(x, Dl, bi, Kp, bl, h, h2, act, offs, geo, xp, work, out, p, adjoint):
     """:func:`_conv_sample_step` with step sizes h into out[bi] and h2 into p[bi] from one
-    convolution (the same rows' arithmetic as the single kernels: the same bits as two steps)."""
+    convolution (the same rows' arithmetic as the single kernels: the same bits as two steps;
+    p must not alias x)."""
     Hpl, RS, PS, q0 = geo[0], geo[1], geo[2], geo[3]
     nrows, Wd = x.shape[2], x.shape[3]
     if adjoint:
@@ -179,20 +182,20 @@ def _conv_sample_shared(x, Dl, bi, Kp, bl, h, h2, act, offs, geo, xp, work, out,
             start = r * RS
             zr, xr = z[c, start:start + Wd], x[bi, c, r]
             yr, pr = out[bi, c, r], p[bi, c, r]
-            if adjoint:
-                for xx in range(Wd):
-                    yr[xx] = xr[xx] + h * zr[xx]
+            if adjoint:  # p first: out may be x's own slot (x is read by both)
                 for xx in range(Wd):
                     pr[xx] = xr[xx] + h2 * zr[xx]
+                for xx in range(Wd):
+                    yr[xx] = xr[xx] + h * zr[xx]
             elif act == 0:  # a constant act per loop: its branches fold, the loops vectorise
-                _fwd_row(zr, xr, yr, zr[:0], bc, h, 0, True)
                 _fwd_row(zr, xr, pr, zr[:0], bc, h2, 0, True)
+                _fwd_row(zr, xr, yr, zr[:0], bc, h, 0, True)
             elif act == 1:
-                _fwd_row(zr, xr, yr, zr[:0], bc, h, 1, True)
                 _fwd_row(zr, xr, pr, zr[:0], bc, h2, 1, True)
+                _fwd_row(zr, xr, yr, zr[:0], bc, h, 1, True)
             else:
-                _fwd_row(zr, xr, yr, zr[:0], bc, h, 2, True)
                 _fwd_row(zr, xr, pr, zr[:0], bc, h2, 2, True)
+                _fwd_row(zr, xr, yr, zr[:0], bc, h, 2, True)
 
 
 @njit(cache=True)
@@ -207,8 +210,8 @@ def _conv_planes(x, Kl, bl, Dl, h, act, xp, work, out, u, g, has_g, mode, h2, p,
     geo = _conv_geometry(2, (x.shape[2], x.shape[3]))
     offs = _conv_offsets(2, geo[1], geo[2])
     Kp = _kpack(Kl.reshape((Kl.shape[0], Kl.shape[1] * 9)), 9, adjoint)
-    v = np.empty((1,) + x.shape[1:], dtype=x.dtype)  # phi of one sample (other modes)
-    vf = v.reshape(-1)
+    v = np.empty((1 if mode != 2 else 0,) + x.shape[1:], dtype=x.dtype)  # phi of one sample
+    vf = v.reshape(-1)  # (residual / FAS modes)
     for bi in range(x.shape[0]):
         if mode == 2:
             if share:
@@ -659,18 +662,26 @@ def _stacked_kind(kind):
                      W, b, s, layer0, layer_step, h, act, D, int(d_lo), done)
 
     fns = {}
-    for fn in (chains_forward, points_forward, chains_adjoint, points_adjoint,
-               chains_forward_derivs):
+    for fn in (chains_forward, points_forward, chains_adjoint, points_adjoint):
         fn.__name__ = fn.__qualname__ = f"{kind}_{fn.__name__}"
         fn.__doc__ = (f"Numba kernel, one call for all chains / points; contract of "
                       f":data:`mgnn.backend.STACKED_KERNELS`. ``parallel`` (None: threads and "
                       f"more than one chain) picks the prange variant.")
         fns[fn.__name__] = fn
+    chains_forward_derivs.__name__ = chains_forward_derivs.__qualname__ = \
+        f"{kind}_chains_forward_derivs"
+    chains_forward_derivs.__doc__ = (
+        f"Numba kernel (optional, Numba only; :meth:`mgnn.blocks.layers._StepKind."
+        f"chains_forward_derivs`): ``{kind}_chains_forward`` without right-hand sides, the same "
+        f"states bit for bit, each step out of slot i - 1 through layer l also writing sigma'(z "
+        f"+ b) into D[l - d_lo] (0 <= l - d_lo < len(D)) and setting the int8 flag "
+        f"done[l - d_lo]. D (rows, *state) of U's dtype; ``parallel`` as the stacked kernels.")
+    fns[chains_forward_derivs.__name__] = chains_forward_derivs
     return fns
 
 
 def _check_derivs(U, D, d_lo, done):
-    """The linearisation store of :func:`dense_chains_forward_derivs`: D (rows, *state) of U's
+    """The linearisation store of ``<kind>_chains_forward_derivs``: D (rows, *state) of U's
     dtype, C-contiguous; done an int8 flag per row; d_lo an int."""
     if (getattr(D, "dtype", None) != U.dtype or D.shape[1:] != U.shape[1:]
             or not D.flags.c_contiguous):

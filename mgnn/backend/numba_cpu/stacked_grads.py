@@ -94,7 +94,10 @@ def _stacked_grads():
 
     def dense_deriv_missing(U, first, count, W, b, layer0, act, D, done):
         """:func:`dense_deriv_stacked` for the rows p with ``done[p] == 0`` only (the rows a
-        forward solve's final sweep did not write: :func:`dense_chains_forward_derivs`)."""
+        forward solve's final sweep did not write: :func:`dense_chains_forward_derivs`). Where
+        a single dense step takes the NumPy route (WIDE) these rows come from it and the
+        others from the chains' fused epilogue: the same values to rounding (tanh in float32),
+        bit for bit for relu."""
         count = check_stacked_grads("dense", U, first, count, W, layer0, D, b)
         _check_done(done, count)
         if count and _wide(U.shape[1] * W.shape[1], U.dtype, act):

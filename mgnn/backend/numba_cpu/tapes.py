@@ -157,14 +157,30 @@ def _tape_row(S, row, hs, W, P, d0, act, adjoint, a, b, p, steps_only=False):
     return 0.0
 
 
+def _tape_driver(S, ops, hs, W, P, d0, act, norms):
+    """:func:`_tape_serial` with ``adjoint`` a constant, picked at typing by P's dimensions
+    (adjoint: sigma' (layers, *state)): with adjoint and d0 both run-time values LLVM compiled
+    the chain bodies ~1.7x slower (a conv step of a tape 0.67 ms against the engine's 0.40), and
+    a run-time branch on adjoint would compile the driver twice."""
+
+
+def _tape_driver_threads(S, ops, hs, W, P, d0, act, norms):
+    """:func:`_tape_driver` of :func:`_tape_threads`."""
+
+
+def _constant_adjoint(driver):
+    def impl_for(S, ops, hs, W, P, d0, act, norms):
+        if P.ndim > 2:
+            return lambda S, ops, hs, W, P, d0, act, norms: driver(S, ops, hs, W, P, d0, act,
+                                                                   True, norms)
+        return lambda S, ops, hs, W, P, d0, act, norms: driver(S, ops, hs, W, P, d0, act,
+                                                               False, norms)
+    return impl_for
+
+
 @njit(cache=True)
 def _tape(S, ops, hs, W, P, d0, act, adjoint, norms):
-    # adjoint as a constant: with it and d0 both run-time values LLVM compiled the chain
-    # bodies below ~1.7x slower (a conv step of a tape 0.67 ms against the engine's 0.40)
-    if adjoint:
-        _tape_serial(S, ops, hs, W, P, d0, act, True, norms)
-    else:
-        _tape_serial(S, ops, hs, W, P, d0, act, False, norms)
+    _tape_driver(S, ops, hs, W, P, d0, act, norms)
 
 
 @njit(cache=True)
@@ -194,10 +210,7 @@ def _tape_norm(S, row, hs, W, P, d0, act, adjoint, a, b, p, norms):
 
 @njit(cache=True)
 def _tape_par(S, ops, hs, W, P, d0, act, adjoint, norms):
-    if adjoint:  # (a constant, as in _tape)
-        _tape_threads(S, ops, hs, W, P, d0, act, True, norms)
-    else:
-        _tape_threads(S, ops, hs, W, P, d0, act, False, norms)
+    _tape_driver_threads(S, ops, hs, W, P, d0, act, norms)
 
 
 @njit(cache=True, parallel=True)
@@ -281,3 +294,7 @@ def dense_run_tape(stores, ops, hs, W, P, d0, act, adjoint, norms, parallel=None
 def conv_run_tape(stores, ops, hs, W, P, d0, act, adjoint, norms, parallel=None):
     """Numba: one call for a captured cycle of conv steps (:mod:`mgnn.backend.tape`)."""
     _run_tape("conv", stores, ops, hs, W, P, d0, act, adjoint, norms, parallel)
+
+
+overload(_tape_driver)(_constant_adjoint(_tape_serial))
+overload(_tape_driver_threads)(_constant_adjoint(_tape_threads))
