@@ -88,15 +88,21 @@ def _fused_steps(model, fwd, bwd, x, y, keep, monkeypatch, calls, **kw):
                 return _original(self, *a, **k)
 
             m.setattr(type(model.step), name, counting)
-        lp = mgnn.LayerParallel(model, fwd, bwd, backend="numba", guard=None, **kw)
-        opt = mgnn.optim.SGD(model.params, lr=0.1)
-        out, done = [], []
-        for _ in range(3):
-            loss, g = lp.loss_and_grad(x, y)
-            out.append((loss, g.flat.copy()))
-            flags = lp._arrays.get(("derivs_done", (16,), np.dtype(np.int8).str))
-            done.append(None if flags is None else int(flags.sum()))
-            opt.step(g)
+        return _three_steps(mgnn.LayerParallel(model, fwd, bwd, backend="numba", guard=None,
+                                               **kw), model, x, y)
+
+
+def _three_steps(lp, model, x, y):
+    """Three SGD steps of ``lp``: [(loss, gradient)], and per step how many of the 16 layers'
+    linearisations the forward solve kept (None: none kept)."""
+    opt = mgnn.optim.SGD(model.params, lr=0.1)
+    out, done = [], []
+    for _ in range(3):
+        loss, g = lp.loss_and_grad(x, y)
+        out.append((loss, g.flat.copy()))
+        flags = lp._arrays.get(("derivs_done", (16,), np.dtype(np.int8).str))
+        done.append(None if flags is None else int(flags.sum()))
+        opt.step(g)
     return out, done
 
 
@@ -252,15 +258,7 @@ def test_recurrent_kinds_keep_the_final_sweeps_caches(setting, cell, capture, mo
                 m.setattr(ForwardPropagator, "can_keep_derivs", lambda self: False)
             lp = mgnn.LayerParallel(model, fwd, bwd, backend="numba", guard=None,
                                     capture=capture)
-            opt = mgnn.optim.SGD(model.params, lr=0.1)
-            out, done = [], []
-            for _ in range(3):
-                loss, g = lp.loss_and_grad(x, y)
-                out.append((loss, g.flat.copy()))
-                flags = lp._arrays.get(("derivs_done", (16,), np.dtype(np.int8).str))
-                done.append(None if flags is None else int(flags.sum()))
-                opt.step(g)
-        runs[keep], dones[keep] = out, done
+            runs[keep], dones[keep] = _three_steps(lp, model, x, y)
     for (l1, g1), (l2, g2) in zip(runs[True], runs[False]):
         assert l1 == l2
         np.testing.assert_array_equal(g1, g2)

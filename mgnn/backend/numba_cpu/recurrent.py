@@ -8,7 +8,7 @@ from numba import prange
 from ..numpy_ref import (gate_check, recurrent_adjoint_check, recurrent_caches_check,
                          recurrent_cotangents_check, recurrent_stacked_check,
                          recurrent_sweep_back_check, recurrent_sweep_check)
-from .stacked import _index_check
+from .stacked import _index_check, check_kept
 from .activations import _tanh, njit
 
 
@@ -254,24 +254,11 @@ def _sweep_fwd(cell, gi0, U, WihT, WhhT, bih, bhh, D, dt, mode):
 
 @njit(cache=True)
 def _rec_chains(cell, gi0, U, G, has_g, chains, layer0, layer_step, WihT, WhhT, bih, bhh, dt,
-                mode):
-    one, dt = _typed(U, dt)
-    hk, inp, gi, out, cache = _rec_scratch(U, WhhT.shape[2], cell)
-    none = np.empty((0, 1, 1, 1), U.dtype)
-    for c in range(chains.shape[0]):
-        for i in range(chains[c, 0], chains[c, 0] + chains[c, 1]):
-            _rec_step(cell, U[i - 1], U[i], gi0, layer0 + i * layer_step, WihT, WhhT, bih, bhh,
-                      dt, mode, one, hk, inp, gi, out, cache, none, 0)
-            if has_g:
-                U[i] += G[i]
-
-
-@njit(cache=True)
-def _rec_chains_keep(cell, gi0, U, chains, layer0, layer_step, WihT, WhhT, bih, bhh, dt, mode,
-                     D, Y, d_lo, done):
-    """:func:`_rec_chains` without right-hand sides, each step t also writing its gate caches
+                mode, D, Y, d_lo, done):
+    """Along each chain U[i] = the cell step t = layer0 + i layer_step out of U[i - 1] (+ G[i]);
+    with D rows (a forward solve's final sweep, no G) each step t also writes its gate caches
     into D[t - d_lo] and its output into Y[t - d_lo] (Y with rows) where 0 <= t - d_lo <
-    len(D), flagging done[t - d_lo] (a forward solve's final sweep, kept for the adjoint)."""
+    len(D), flagging done[t - d_lo]."""
     one, dt = _typed(U, dt)
     hk, inp, gi, out, cache = _rec_scratch(U, WhhT.shape[2], cell)
     none = np.empty((0, 1, 1, 1), U.dtype)
@@ -282,26 +269,12 @@ def _rec_chains_keep(cell, gi0, U, chains, layer0, layer_step, WihT, WhhT, bih, 
             keep = 0 <= p < D.shape[0]
             _rec_step(cell, U[i - 1], U[i], gi0, t, WihT, WhhT, bih, bhh, dt, mode, one, hk,
                       inp, gi, out, cache, D if keep else none, p if keep else 0)
+            if has_g:
+                U[i] += G[i]
             if keep:
                 if Y.shape[0] > 0:
                     Y[p] = U[i]
                 done[p] = 1
-
-
-@njit(cache=True)
-def _rec_caches_missing(cell, gi0, U, first, count, layer0, WihT, WhhT, bih, bhh, D, Y, dt,
-                        mode, done):
-    """:func:`_rec_caches` of the rows p with ``done[p] == 0`` only."""
-    one, dt = _typed(U, dt)
-    hk, inp, gi, out, cache = _rec_scratch(U, WhhT.shape[2], cell)
-    y = np.empty(U.shape[1:], U.dtype)
-    for p in range(count):
-        if done[p] != 0:
-            continue
-        _rec_step(cell, U[first + p], y, gi0, layer0 + p, WihT, WhhT, bih, bhh, dt, mode, one,
-                  hk, inp, gi, out, cache, D, p)
-        if Y.shape[0] > 0:
-            Y[p] = y
 
 
 @njit(cache=True)
@@ -456,11 +429,13 @@ def _rec_cotangents(cell, L, l0, l_step, U, u0, D, d0, count, Wih, Whh, dt, mode
 
 
 @njit(cache=True)
-def _rec_caches(cell, gi0, U, first, count, layer0, WihT, WhhT, bih, bhh, D, Y, dt, mode):
+def _rec_caches(cell, gi0, U, first, count, layer0, WihT, WhhT, bih, bhh, D, Y, dt, mode, done):
     one, dt = _typed(U, dt)
     hk, inp, gi, out, cache = _rec_scratch(U, WhhT.shape[2], cell)
     y = np.empty(U.shape[1:], U.dtype)
-    for p in range(count):
+    for p in range(count):  # done empty: every step; else the steps not flagged
+        if done.size > 0 and done[p] != 0:
+            continue
         _rec_step(cell, U[first + p], y, gi0, layer0 + p, WihT, WhhT, bih, bhh, dt, mode, one,
                   hk, inp, gi, out, cache, D, p)
         if Y.shape[0] > 0:
@@ -522,7 +497,7 @@ def recurrent_caches(cell, gi0, U, first, count, layer0, WihT, WhhT, bih, bhh, D
     if Y.shape[0] == 0:
         Y = np.empty((0,) + U.shape[1:], U.dtype)
     _rec_caches(cell, gi0, U, first, count, layer0, WihT, WhhT, bih, bhh, D, Y, float(dt),
-                int(mode))
+                int(mode), _EVERY_STEP)
 
 
 def recurrent_gate_cotangents(cell, L, l0, l_step, U, u0, D, d0, count, Wih, Whh, dt, mode, DGI,
@@ -542,7 +517,8 @@ def recurrent_chains_forward(cell, gi0, U, G, chains, layer0, layer_step, WihT, 
     chains = recurrent_stacked_check(cell, gi0, U, G, None, chains, layer0, layer_step, WihT,
                                      WhhT, bih, bhh, dt, mode, index_check=_index_check)
     _rec_chains(cell, gi0, U, U if G is None else G, G is not None, chains, layer0, layer_step,
-                WihT, WhhT, bih, bhh, float(dt), int(mode))
+                WihT, WhhT, bih, bhh, float(dt), int(mode), np.empty((0, 1, 1, 1), U.dtype),
+                np.empty((0,) + U.shape[1:], U.dtype), 0, _EVERY_STEP)
 
 
 def recurrent_chains_forward_keep(cell, gi0, U, chains, layer0, layer_step, WihT, WhhT, bih,
@@ -553,12 +529,10 @@ def recurrent_chains_forward_keep(cell, gi0, U, chains, layer0, layer_step, WihT
     0 <= t - d_lo < len(D), and setting the int8 flag done[t - d_lo]. One Numba call."""
     chains = recurrent_stacked_check(cell, gi0, U, None, None, chains, layer0, layer_step, WihT,
                                      WhhT, bih, bhh, dt, mode, index_check=_index_check)
-    rows = _keep_check(cell, U, D, Y, done)
-    if isinstance(d_lo, bool) or not isinstance(d_lo, (int, np.integer)):
-        raise TypeError(f"d_lo must be an int, got {type(d_lo).__name__}")
-    _rec_chains_keep(cell, gi0, U, chains, layer0, layer_step, WihT, WhhT, bih, bhh, float(dt),
-                     int(mode), D, Y if rows else np.empty((0,) + U.shape[1:], U.dtype),
-                     int(d_lo), done)
+    rows = _keep_check(cell, U, D, Y, done, d_lo)
+    _rec_chains(cell, gi0, U, U, False, chains, layer0, layer_step, WihT, WhhT, bih, bhh,
+                float(dt), int(mode), D, Y if rows else np.empty((0,) + U.shape[1:], U.dtype),
+                int(d_lo), done)
 
 
 def recurrent_caches_missing(cell, gi0, U, first, count, layer0, WihT, WhhT, bih, bhh, D, Y, dt,
@@ -570,13 +544,13 @@ def recurrent_caches_missing(cell, gi0, U, first, count, layer0, WihT, WhhT, bih
     _keep_check(cell, U, D, Y, done)
     if Y.shape[0] == 0:
         Y = np.empty((0,) + U.shape[1:], U.dtype)
-    _rec_caches_missing(cell, gi0, U, first, count, layer0, WihT, WhhT, bih, bhh, D, Y,
-                        float(dt), int(mode), done)
+    _rec_caches(cell, gi0, U, first, count, layer0, WihT, WhhT, bih, bhh, D, Y, float(dt),
+                int(mode), done)
 
 
-def _keep_check(cell, U, D, Y, done):
+def _keep_check(cell, U, D, Y, done, d_lo=0):
     """The kept linearisation's arrays: D (rows, nl, B, C H), Y (rows or 0, B, nl, H) of U's
-    dtype, C-contiguous, done an int8 flag per row; returns whether Y has rows."""
+    dtype, C-contiguous, done and d_lo as :func:`check_kept`; returns whether Y has rows."""
     _, B, nl, H = U.shape
     C = 4 if cell == 0 else 1
     rows = getattr(D, "shape", (0,))[0]
@@ -586,10 +560,11 @@ def _keep_check(cell, U, D, Y, done):
                 or not a.flags.c_contiguous):
             raise ValueError(f"{name} must be a C-contiguous {U.dtype} array of shape {shape}, "
                              f"got {getattr(a, 'dtype', None)} {getattr(a, 'shape', None)}")
-    if getattr(done, "dtype", None) != np.int8 or getattr(done, "shape", None) != (rows,):
-        raise ValueError(f"done must be an int8 array of shape ({rows},), got "
-                         f"{getattr(done, 'dtype', None)} {getattr(done, 'shape', None)}")
+    check_kept(done, rows, d_lo)
     return Y.shape[0] > 0
+
+
+_EVERY_STEP = np.zeros(0, dtype=np.int8)  # the flags of a call that keeps / skips nothing
 
 
 def recurrent_points_forward(cell, gi0, U, G, R, slots, out_slots, layer0, layer_step, WihT,

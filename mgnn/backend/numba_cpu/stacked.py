@@ -151,17 +151,24 @@ def _combine_row(v, o, u, g, has_g, mode):
 
 
 @njit(cache=True)
-def _conv_sample_step(x, Dl, bi, Kp, bl, h, act, offs, geo, xp, work, out, adjoint):
+def _conv_sample_step(x, Dl, bi, Kp, bl, h, act, offs, geo, xp, work, out, adjoint, none):
     """out[bi] = phi of sample bi through the single kernels' per-sample code (forward:
     :func:`_conv_sample_forward`, x + h sigma(conv(x) + b) in float64 rounded once; adjoint:
-    :func:`_conv_sample_vjp` of the input, x + h conv^T(Dl * x))."""
+    :func:`_conv_sample_vjp` of the input, x + h conv^T(Dl * x)); ``none`` = the empty
+    (sigma', kernel-gradient, bias-gradient) outputs those take (:func:`_no_outputs`)."""
     if adjoint:
         _pad_flat(x, Dl, bi, xp, True, geo[0], geo[1], geo[2], geo[3])
-        _conv_sample_vjp(xp, xp, bi, Kp, h, True, offs, geo, work, x, out,
-                         np.empty((0, 1, 1), dtype=x.dtype), np.empty(0), True, False)
+        _conv_sample_vjp(xp, xp, bi, Kp, h, True, offs, geo, work, x, out, none[1], none[2],
+                         True, False)
     else:
-        _conv_sample_forward(x, bi, Kp, bl, h, act, True, offs, geo, xp, work, out,
-                             np.empty((0, 0, 0, 0), dtype=x.dtype))
+        _conv_sample_forward(x, bi, Kp, bl, h, act, True, offs, geo, xp, work, out, none[0])
+
+
+@njit(cache=True)
+def _no_outputs(x):
+    """The empty outputs :func:`_conv_sample_step` passes on (allocated once per call)."""
+    return (np.empty((0, 0, 0, 0), dtype=x.dtype), np.empty((0, 1, 1), dtype=x.dtype),
+            np.empty(0))
 
 
 @njit(cache=True)
@@ -212,6 +219,7 @@ def _conv_planes(x, Kl, bl, Dl, h, act, xp, work, out, u, g, has_g, mode, h2, p,
     Kp = _kpack(Kl.reshape((Kl.shape[0], Kl.shape[1] * 9)), 9, adjoint)
     v = np.empty((1 if mode != 2 else 0,) + x.shape[1:], dtype=x.dtype)  # phi of one sample
     vf = v.reshape(-1)  # (residual / FAS modes)
+    none = _no_outputs(x)
     for bi in range(x.shape[0]):
         if mode == 2:
             if share:
@@ -219,14 +227,14 @@ def _conv_planes(x, Kl, bl, Dl, h, act, xp, work, out, u, g, has_g, mode, h2, p,
                                     p, adjoint)
             else:
                 _conv_sample_step(x, Dl, bi, Kp, bl, h, act, offs, geo, xp, work, out,
-                                  adjoint)
+                                  adjoint, none)
             if has_g:  # phi rounded in out, then + g: the bits of _combine_row
                 o, gb = out[bi].reshape(-1), g[bi].reshape(-1)
                 for k in range(o.size):
                     o[k] = o[k] + gb[k]
             continue
         _conv_sample_step(x[bi:bi + 1], Dl[bi:bi + 1], 0, Kp, bl, h, act, offs, geo, xp,
-                          work, v, adjoint)
+                          work, v, adjoint, none)
         _combine_row(vf, out[bi].reshape(-1), u[bi].reshape(-1), g[bi].reshape(-1), has_g,
                      mode)
 
@@ -682,14 +690,20 @@ def _stacked_kind(kind):
 
 def _check_derivs(U, D, d_lo, done):
     """The linearisation store of ``<kind>_chains_forward_derivs``: D (rows, *state) of U's
-    dtype, C-contiguous; done an int8 flag per row; d_lo an int."""
+    dtype, C-contiguous; the flags and d_lo as :func:`check_kept`."""
     if (getattr(D, "dtype", None) != U.dtype or D.shape[1:] != U.shape[1:]
             or not D.flags.c_contiguous):
         raise ValueError(f"D must be a C-contiguous {U.dtype} array of shape (*, "
                          f"{', '.join(map(str, U.shape[1:]))}), got {getattr(D, 'dtype', None)} "
                          f"{getattr(D, 'shape', type(D).__name__)}")
-    if getattr(done, "dtype", None) != np.int8 or done.shape != D.shape[:1]:
-        raise ValueError(f"done must be an int8 array of shape ({D.shape[0]},), got "
+    check_kept(done, D.shape[0], d_lo)
+
+
+def check_kept(done, rows, d_lo=0):
+    """The int8 flags ``done`` (1-D, at least ``rows``) of a kept linearisation
+    (``KEEP_KERNELS``), and the first layer ``d_lo`` (an int): ValueError / TypeError."""
+    if getattr(done, "dtype", None) != np.int8 or done.ndim != 1 or done.shape[0] < rows:
+        raise ValueError(f"done must be an int8 array of at least {rows} flags, got "
                          f"{getattr(done, 'dtype', None)} {getattr(done, 'shape', None)}")
     if isinstance(d_lo, bool) or not isinstance(d_lo, (int, np.integer)):
         raise TypeError(f"d_lo must be an int, got {type(d_lo).__name__}")

@@ -10,6 +10,7 @@ from .dense import dense_deriv, dense_vjp_params  # noqa: F401 -- stacked_grad_l
 from .conv import _blocks, _conv_forward_all, _conv_vjp_all
 from .conv import conv_deriv, conv_vjp_params  # noqa: F401 -- stacked_grad_loops' singles
 from .activations import njit
+from .stacked import check_kept
 
 
 # ------------------------------------------------------------ stacked gradient kernels
@@ -18,15 +19,9 @@ from .activations import njit
 # where a single dense kernel takes the NumPy route (WIDE / WIDE_TANH_F32) the layers loop here
 # over that single kernel instead, so the results stay bit-identical and fast.
 @njit(cache=True)
-def _dense_deriv_stacked(U, first, count, W, b, layer0, act, D):
-    for p in range(count):
-        D[p] = _dense_deriv(U[first + p], W[layer0 + p], b[layer0 + p], act)
-
-
-@njit(cache=True)
-def _dense_deriv_missing(U, first, count, W, b, layer0, act, D, done):
-    for p in range(count):
-        if done[p] == 0:
+def _dense_deriv_stacked(U, first, count, W, b, layer0, act, D, done):
+    for p in range(count):  # done empty: every row; else the rows not flagged
+        if done.size == 0 or done[p] == 0:
             D[p] = _dense_deriv(U[first + p], W[layer0 + p], b[layer0 + p], act)
 
 
@@ -39,22 +34,11 @@ def _dense_vjp_params_stacked(L, l_first, l_stride, D, U, u_first, count, layer0
 
 
 @njit(cache=True)
-def _conv_deriv_stacked(U, first, count, K, b, layer0, act, D, nblk):
+def _conv_deriv_stacked(U, first, count, K, b, layer0, act, D, done, nblk):
     one = U.dtype.type(1)
     H, Wd = U.shape[3], U.shape[4]
-    for p in range(count):
-        Kl = K[layer0 + p]
-        D[p] = _conv_forward_all(U[first + p], Kl.reshape((Kl.shape[0], Kl.shape[1] * 9)),
-                                 b[layer0 + p], one, act, False, False, True, 2, (H, Wd),
-                                 nblk)[1]
-
-
-@njit(cache=True)
-def _conv_deriv_missing(U, first, count, K, b, layer0, act, D, done, nblk):
-    one = U.dtype.type(1)
-    H, Wd = U.shape[3], U.shape[4]
-    for p in range(count):
-        if done[p] == 0:
+    for p in range(count):  # done empty: every row; else the rows not flagged
+        if done.size == 0 or done[p] == 0:
             Kl = K[layer0 + p]
             D[p] = _conv_forward_all(U[first + p], Kl.reshape((Kl.shape[0], Kl.shape[1] * 9)),
                                      b[layer0 + p], one, act, False, False, True, 2, (H, Wd),
@@ -74,11 +58,7 @@ def _conv_vjp_params_stacked(L, l_first, l_stride, D, U, u_first, count, layer0,
         gb[layer0 + p] = gbl
 
 
-def _check_done(done, count):
-    """The int8 flags of a ``*_deriv_missing`` call: at least ``count``."""
-    if getattr(done, "dtype", None) != np.int8 or done.ndim != 1 or done.shape[0] < count:
-        raise ValueError(f"done must be an int8 array of at least {count} flags, got "
-                         f"{getattr(done, 'dtype', None)} {getattr(done, 'shape', None)}")
+_EVERY_ROW = np.zeros(0, dtype=np.int8)  # the flags of a call that computes every row
 
 
 def _stacked_grads():
@@ -90,7 +70,7 @@ def _stacked_grads():
         count = check_stacked_grads("dense", U, first, count, W, layer0, D, b)
         if count and _wide(U.shape[1] * W.shape[1], U.dtype, act):
             return loops["dense_deriv_stacked"](U, first, count, W, b, layer0, act, D)
-        _dense_deriv_stacked(U, first, count, W, b, layer0, act, D)
+        _dense_deriv_stacked(U, first, count, W, b, layer0, act, D, _EVERY_ROW)
 
     def dense_deriv_missing(U, first, count, W, b, layer0, act, D, done):
         """:func:`dense_deriv_stacked` for the rows p with ``done[p] == 0`` only (the rows a
@@ -99,20 +79,20 @@ def _stacked_grads():
         others from the chains' fused epilogue: the same values to rounding (tanh in float32),
         bit for bit for relu."""
         count = check_stacked_grads("dense", U, first, count, W, layer0, D, b)
-        _check_done(done, count)
+        check_kept(done, count)
         if count and _wide(U.shape[1] * W.shape[1], U.dtype, act):
             for p in np.flatnonzero(done[:count] == 0):
                 D[p] = dense_deriv(U[first + p], W[layer0 + p], b[layer0 + p], act)
             return
-        _dense_deriv_missing(U, first, count, W, b, layer0, act, D, done)
+        _dense_deriv_stacked(U, first, count, W, b, layer0, act, D, done)
 
     def conv_deriv_missing(U, first, count, K, b, layer0, act, D, done):
         """:func:`conv_deriv_stacked` for the rows p with ``done[p] == 0`` only (see
         :func:`dense_deriv_missing`)."""
         count = check_stacked_grads("conv", U, first, count, K, layer0, D, b)
-        _check_done(done, count)
+        check_kept(done, count)
         with one_blas_thread():
-            _conv_deriv_missing(U, first, count, K, b, layer0, act, D, done, _blocks())
+            _conv_deriv_stacked(U, first, count, K, b, layer0, act, D, done, _blocks())
 
     def dense_vjp_params_stacked(L, l_first, l_stride, D, U, u_first, count, layer0, h, gW, gb):
         count = check_stacked_grads("dense", U, u_first, count, gW, layer0, D, gb, L, l_first,
@@ -125,7 +105,7 @@ def _stacked_grads():
     def conv_deriv_stacked(U, first, count, K, b, layer0, act, D):
         count = check_stacked_grads("conv", U, first, count, K, layer0, D, b)
         with one_blas_thread():
-            _conv_deriv_stacked(U, first, count, K, b, layer0, act, D, _blocks())
+            _conv_deriv_stacked(U, first, count, K, b, layer0, act, D, _EVERY_ROW, _blocks())
 
     def conv_vjp_params_stacked(L, l_first, l_stride, D, U, u_first, count, layer0, h, gK, gb):
         count = check_stacked_grads("conv", U, u_first, count, gK, layer0, D, gb, L, l_first,
