@@ -25,7 +25,8 @@ import numpy as np
 
 from ..comm.virtual import charge
 
-__all__ = ["CostTable", "Recorder", "cost_model", "recording_model", "STEP_METHODS"]
+__all__ = ["CostTable", "Recorder", "cost_model", "recording_model", "tape_seconds",
+           "vector_samples", "STEP_METHODS"]
 
 # step-kind methods a training step calls: name -> (index of the state argument (or of the
 # stacked store / list of states), how the number of states k follows from the arguments)
@@ -38,6 +39,10 @@ STEP_METHODS = {
     "points_forward": (2, "slots5"), "points_adjoint": (3, "slots6"),
     "deriv_stacked": (2, "count4"), "vjp_params_stacked": (0, "count6"),
     "sweep_forward": (3, "layers0"), "sweep_backward": (2, "layers0"),
+    # the forward solve's final sweep keeping sigma' (k: its steps), the rows it did not keep
+    "chains_forward_derivs": (2, "chains3"), "deriv_missing": (2, "missing"),
+    # a captured cycle's replay (k: its rows; charged as its rows' kernels, :func:`tape_seconds`)
+    "run_tape": (3, "tape"),
 }
 MODULE_METHODS = {"opening": ("forward", "vjp"), "closing": ("forward", "vjp"),
                   "loss": ("forward_grad",)}
@@ -51,6 +56,8 @@ def _call_shape(name, args):
         return name, tuple(a.shape), 1
     if how == "list":
         return name, tuple(a[0].shape), len(a)
+    if how == "tape":  # (W, P, d0, stores, rows, hs, norms, adjoint, bk)
+        return name, tuple(a[0].shape[1:]), len(args[4])
     shape = tuple(a.shape[1:])
     if how.startswith("chains"):
         chains = np.asarray(args[int(how[-1])])
@@ -61,6 +68,9 @@ def _call_shape(name, args):
         return f"{name}:{int(mode)}", shape, len(args[int(how[-1])])
     if how.startswith("count"):
         return name, shape, int(args[int(how[-1])])
+    if how == "missing":  # (W, b, U, first, count, layer0, D, done, bk): the unflagged rows
+        count = int(args[4])
+        return name, shape, count - int(np.count_nonzero(args[7][:count]))
     if name == "sweep_forward":  # W, b, U, h, D: stored sigma' or not
         key = "sweep_forward" if args[4].shape[0] else "sweep_forward_nod"
         return key, tuple(args[2].shape[1:]), int(args[0].shape[0])
@@ -91,6 +101,13 @@ def _zero_outputs(name, args):
     elif name == "vjp_params_batched":
         for g in args[5:7]:
             g[list(args[4])] = 0
+    elif name == "chains_forward_derivs":  # flag the rows the real kernel keeps (layer l of
+        # the step into slot i is layer0 + i layer_step; row l - d_lo): _linearize then charges
+        # the others (deriv_missing) as in the real run
+        chains, layer0, step, d_lo, done = args[3], args[4], args[5], args[8], args[9]
+        for first, n in np.asarray(chains).reshape(-1, 2).tolist():
+            p = layer0 + np.arange(first, first + n) * step - d_lo
+            done[p[(p >= 0) & (p < done.shape[0])]] = 1
     elif name == "sweep_forward":
         _zero_rows(args[2], 1, args[2].shape[0])
         _zero_rows(args[4], 0, args[4].shape[0])
@@ -131,6 +148,8 @@ class Recorder:
     def __init__(self, sync=None):
         #: a callable that waits for the device (GPU backends), or None
         self.samples, self.enabled, self.sync = [], True, sync
+        #: replayed tapes: (state shape, rows, adjoint, store sizes, dtype, seconds)
+        self.tapes = []
 
     def add(self, op, shape, dtype, k, seconds):
         if self.enabled:
@@ -154,19 +173,41 @@ def _timed_step(name, base):
         finally:
             self._depth -= 1
         if self._depth == 0:
+            seconds = time.perf_counter() - t0
             op, shape, k = _call_shape(name, args)
-            self._costs.add(op, shape, self._dtype, k, time.perf_counter() - t0)
+            self._costs.add(op, shape, self._dtype, k, seconds)
+            if name == "run_tape" and self._costs.enabled:
+                self._costs.tapes.append(_tape_call(args) + (self._dtype, seconds))
         return out
     method.__name__ = name
     return method
 
 
+def _tape_call(args):
+    """(state shape, rows, adjoint, store sizes) of a ``run_tape`` call's arguments."""
+    stores, rows, adjoint = args[3], np.asarray(args[4]), bool(args[7])
+    return (tuple(stores[0].shape[1:]), rows, adjoint,
+            [0 if s is None else int(s.shape[0]) for s in stores])
+
+
 def _charged_step(name):
     def method(self, *args, **kwargs):
         op, shape, k = _call_shape(name, args)
-        charge(self._costs.seconds(op, shape, self._dtype, k, self._method))
+        seconds = self._costs.seconds(op, shape, self._dtype, k, self._method,
+                                      missing=0.0 if name == "run_tape" else None)
+        if name == "run_tape":  # the replay's own cost (a + c rows) plus its rows' kernels
+            shape, rows, adjoint, sizes = _tape_call(args)
+            seconds += tape_seconds(self._costs, rows, shape, self._dtype, adjoint, sizes)
+        charge(seconds)
         return _placeholder(name, self, args)
     method.__name__ = name
+    return method
+
+
+def _as_calibrated(base, op):
+    def method(self, bk):
+        return base(self, bk) and self._costs.has(op, self._dtype)
+    method.__name__ = base.__name__
     return method
 
 
@@ -178,6 +219,11 @@ def _wrap_kind(kind, costs, dtype, method, record):
     for name in STEP_METHODS:
         if hasattr(cls, name):
             body[name] = _timed_step(name, getattr(cls, name)) if record else _charged_step(name)
+    if not record:  # the calibrated backend's paths: keep sigma' / replay cycles where it did
+        for query, op in (("can_keep_derivs", "chains_forward_derivs"),
+                          ("can_replay", "run_tape")):
+            if hasattr(cls, query):
+                body[query] = _as_calibrated(getattr(cls, query), op)
     new = object.__new__(type(("Recorded" if record else "CostOnly") + cls.__name__, (cls,),
                               body))
     new.__dict__.update(kind.__dict__)
@@ -280,8 +326,9 @@ class CostTable:
     entries : dict
         ``"op|shape|dtype"`` -> (a, b): a call with k states costs ``a + b k`` seconds.
     overhead : dict
-        training method ('serial', 'layerwise', 'pipeline', 'mgrit') -> seconds of Python work
-        per kernel call outside the kernels.
+        training method ('serial', 'layerwise', 'pipeline', 'mgrit') -> (a_o, b_o): seconds of
+        Python work outside the kernels per kernel call, ``a_o + b_o k`` for a call handling k
+        states (a plain number: per call).
     alpha, beta : float
         Message latency (s) and bandwidth (bytes/s).
     meta : dict
@@ -290,7 +337,8 @@ class CostTable:
 
     def __init__(self, entries, overhead=None, alpha=1e-6, beta=1e10, meta=None):
         self.entries = {k: (float(a), float(b)) for k, (a, b) in entries.items()}
-        self.overhead = dict(overhead or {})
+        self.overhead = {m: ([float(v) for v in o] if isinstance(o, (list, tuple)) else
+                             float(o)) for m, o in dict(overhead or {}).items()}
         self.alpha, self.beta, self.meta = float(alpha), float(beta), dict(meta or {})
         #: ops looked up at a shape the table does not hold (scaled from another shape)
         self.inexact = set()
@@ -311,10 +359,33 @@ class CostTable:
             groups.setdefault(cls.key(op, shape, dtype), []).append((k, t))
         return cls({key: _fit(pts) for key, pts in groups.items()}, **kw)
 
-    def seconds(self, op, shape, dtype, k, method=None):
+    def seconds(self, op, shape, dtype, k, method=None, missing=None):
         """Seconds of one call of ``op`` with ``k`` states of ``shape``: the table's ``a + b k``
         (for a shape not measured: the entry of the same op with the nearest number of elements,
-        b scaled by the ratio of elements), plus ``method``'s overhead."""
+        b scaled by the ratio of elements), plus ``method``'s overhead. ``missing``: the
+        ``a + b k`` of an op the table lacks (None: KeyError)."""
+        a, b = self._ab(op, tuple(shape), dtype, missing)
+        return a + b * k + (self.overhead_seconds(method, k) if method else 0.0)
+
+    def overhead_seconds(self, method, k):
+        """``method``'s Python overhead of a call handling ``k`` states: ``a_o + b_o k`` (an
+        older table's single number: per call)."""
+        o = self.overhead.get(method, 0.0)
+        if isinstance(o, (list, tuple)):
+            return o[0] + o[1] * k
+        return o
+
+    def has(self, op, dtype):
+        """Whether the table holds ``op`` in ``dtype`` at any shape (the calibrated backend
+        called it)."""
+        return (op, str(dtype)) in self._index
+
+    def per_state(self, op, shape, dtype, missing=None):
+        """The seconds per state (``b``) of ``op`` at ``shape``: what a row of ``op`` costs
+        inside a captured cycle (no call of its own)."""
+        return self._ab(op, tuple(shape), dtype, missing)[1]
+
+    def _ab(self, op, shape, dtype, missing):
         ck = (op, shape, dtype)
         ab = self._cache.get(ck)
         if ab is None:
@@ -323,6 +394,8 @@ class CostTable:
                 base = op.split(":")[0] + ":"
                 cands = [c for (o, d), cs in sorted(self._index.items())
                          if d == dtype and o.startswith(base) for c in cs]
+            if not cands and missing is not None:
+                return missing, missing
             if not cands:
                 raise KeyError(f"the cost table has no entry for {op!r} in {dtype} (calibrate "
                                f"it with the same --model and --dtype: python -m mgnn bench "
@@ -337,8 +410,7 @@ class CostTable:
                                                                   / max(size, 1))), c[0]))
                 ab = (a, b * size / max(math.prod(s), 1))
             self._cache[ck] = ab
-        a, b = ab
-        return a + b * k + (self.overhead.get(method, 0.0) if method else 0.0)
+        return ab
 
     def to_dict(self):
         return {"format": "mgnn-costs-1", "alpha": self.alpha, "beta": self.beta,
@@ -379,6 +451,16 @@ class CostTable:
         except (KeyError, ValueError, TypeError) as exc:
             raise ValueError(f"{path}: {exc}") from None
 
+    def without_orchestration(self):
+        """The table of the critical-path bound: every kernel call its per-state work only
+        (``b k``; no per-call ``a``), no Python overhead, no replay cost (``run_tape``); the
+        same network. A run charged from it is MGRIT's dependency chain of steps and messages
+        with zero orchestration cost."""
+        entries = {k: (0.0, b) for k, (a, b) in self.entries.items()
+                   if not k.startswith("run_tape|")}
+        return CostTable(entries, {}, self.alpha, self.beta,
+                         dict(self.meta, bound="without orchestration"))
+
     def with_network(self, alpha, beta, name=None):
         """The same kernel costs on another network."""
         meta = dict(self.meta, network=name or "custom")
@@ -391,3 +473,72 @@ def machine_meta():
             "processor": platform.processor(), "cpus": os.cpu_count(),
             "python": platform.python_version(), "numpy": np.__version__,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def tape_seconds(table, rows, shape, dtype, adjoint, store_sizes):
+    """Seconds of the kernel work in the rows of a captured cycle (:mod:`mgnn.backend.tape`) of
+    states ``shape``: each row charged what the engine call it replaces costs per state in
+    ``table`` (no call of its own): a chain step ``chains_{forward,adjoint}``, a point or a
+    chain's tail ``points_*:MODE``, a shared coarse step and a correction one
+    ``vector:correct`` pass, an injection or a copy one ``vector:copy`` pass per store written.
+    The replay's own cost (dispatch, per row) is the table's ``run_tape`` entry."""
+    from ..backend import tape as T
+    d = "adjoint" if adjoint else "forward"
+    rows = np.asarray(rows).reshape(-1, T.COLS)
+    op = rows[:, T.OP]
+
+    def b(name):
+        return table.per_state(name, shape, dtype, missing=0.0 if name.startswith("vector")
+                               else None)
+
+    def points(modes):
+        m, n = np.unique(modes, return_counts=True)
+        return sum(b(f"points_{d}:{int(mode)}") * int(c) for mode, c in zip(m, n))
+
+    copy, correct = b("vector:copy"), b("vector:correct")
+    chain = rows[op == T.CHAIN]
+    t = b(f"chains_{d}") * float(chain[:, T.N].sum())
+    t += points(chain[chain[:, T.R] >= 0, T.MODE]) + points(rows[op == T.POINT, T.MODE])
+    t += correct * float(np.count_nonzero(chain[:, T.SHARE_R] >= 0)
+                         + np.count_nonzero(chain[:, T.CORR_SLOT] >= 0))
+    inj = chain[chain[:, T.INJ_SLOT] >= 0]
+    t += copy * float(len(inj) + np.count_nonzero(inj[:, T.INJ_G] >= 0))
+    for r in rows[op == T.INJECT]:
+        t += copy * float(r[T.LEN] * (1 + (r[T.G] >= 0)))
+    t += correct * float(rows[op == T.CORRECT, T.LEN].sum())
+    for r in rows[op == T.COPY]:
+        t += copy * float(store_sizes[r[T.R]])
+    return float(t)
+
+
+def vector_samples(shape, dtype, ks=(1, 4, 16), repeats=20):
+    """(op, shape, dtype, k, seconds) samples of the engine's vector passes over ``k`` states
+    of ``shape``: ``vector:copy`` (an injection) and ``vector:correct`` (u + (v - w), a FAS
+    correction), the fastest of ``repeats`` each."""
+    out = []
+    for k in ks:
+        a, c, d = (np.ones((k,) + tuple(shape), dtype) for _ in range(3))
+        e = np.empty_like(a)
+        for op, fn in (("vector:copy", lambda: np.copyto(e, a)),
+                       ("vector:correct", lambda: np.add(a, np.subtract(c, d, out=e), out=a))):
+            best = math.inf
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                fn()
+                best = min(best, time.perf_counter() - t0)
+            out.append((op, tuple(shape), str(np.dtype(dtype)), k, best))
+    return out
+
+
+def with_tape_entries(table, tapes):
+    """``table`` with a ``run_tape`` entry per state shape fitted to the replays ``tapes``
+    (:attr:`Recorder.tapes`): a replay's measured seconds less its rows' kernels
+    (:func:`tape_seconds`) as ``a + c rows``."""
+    groups = {}
+    for shape, rows, adjoint, sizes, dtype, seconds in tapes:
+        extra = seconds - tape_seconds(table, rows, shape, dtype, adjoint, sizes)
+        groups.setdefault(CostTable.key("run_tape", shape, dtype), []).append(
+            (len(rows), max(extra, 0.0)))
+    entries = dict(table.entries)
+    entries.update({key: _fit(pts) for key, pts in groups.items()})
+    return CostTable(entries, table.overhead, table.alpha, table.beta, table.meta)

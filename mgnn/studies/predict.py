@@ -29,7 +29,8 @@ import numpy as np
 
 from ..comm.halo import ping_pong
 from ..comm.virtual import Network, run_virtual
-from .costs import CostTable, Recorder, cost_model, machine_meta, recording_model
+from .costs import (CostTable, Recorder, cost_model, machine_meta, recording_model,
+                    vector_samples, with_tape_entries)
 
 #: Networks with published figures (docs/virtual_ranks.md cites the sources): alpha s, beta B/s
 NETWORKS = {
@@ -116,50 +117,93 @@ def calibrate(cfg, repeats=5, layers=None, log=print):
     """Kernel cost table of ``cfg`` on this machine (this process, its current thread counts).
 
     Every method (serial, layer-wise on one rank, pipeline with each of ``cfg['micro']``, MGRIT)
-    runs one untimed training step and then ``repeats`` recorded ones; every kernel call's wall
-    time becomes a sample, and the step's time outside its kernels, per call, the method's
-    overhead. ``layers`` (default min(N, 256), at least what the MGRIT hierarchy needs): the
-    calibration network's depth (costs are per kernel call; the Python overhead per call grows
-    a little with the depth, so calibrating near the predicted N is best).
+    runs one untimed training step and then ``repeats`` recorded ones, at two depths: ``layers``
+    (default min(N, 256), at least what the MGRIT hierarchy needs) and the least the hierarchy
+    needs. Every kernel call's wall time becomes a sample (``a + b k`` per op and shape), and
+    the step's time outside its kernels the method's overhead per call, ``a_o + b_o k`` with k
+    the states the call handles: fitted over both depths, so that it holds from a few layers
+    per rank (where the Python per call dominates) to hundreds (where the work that grows with
+    the layers does). MGRIT also runs once with its cycles uncaptured: the engine's calls,
+    whose per-state costs price the rows of the captured cycles the timed steps replay.
     """
     N = cfg["n_layers"]
+    small = 2 * cfg["cf"] ** max(cfg["levels"] - 1, 1)
     if layers is None:
-        layers = min(N, max(256, 2 * cfg["cf"] ** max(cfg["levels"] - 1, 1)))
-    model, x, y = build_model(cfg, layers)
+        layers = min(N, max(256, small))
     rec = Recorder()
     rec.sync = _device_sync(cfg["backend"])
-    rm = recording_model(model, rec)
-    overhead, calls = {}, {}
-    runs = [("serial", 1), ("layerwise", 1), ("mgrit", 1)] + [
+    points, calls = {}, {}
+    runs = [("serial", 1), ("layerwise", 1), ("mgrit-uncaptured", 1), ("mgrit", 1)] + [
         ("pipeline", M) for M in cfg["micro"] if M <= cfg["batch"]]
-    for method, M in runs:
-        # on one virtual rank with a communicator (serial: none), the code path of the
-        # predictions and of the measured mpiexec runs
-        walls, kern, ncall = run_virtual(1, _timed_steps, method, rm, cfg, x, y, M, rec,
-                                         repeats)[0]
-        i = int(np.argsort(walls)[len(walls) // 2])
-        per_call = max(walls[i] - kern[i], 0.0) / max(ncall[i], 1)
-        key = method
-        overhead[key] = per_call if method != "pipeline" else \
-            max(overhead.get(key, 0.0), per_call)
-        calls[f"{method}-{M}" if method == "pipeline" else method] = ncall[i]
-        if log:
-            log(f"  {method:<9}{'' if method != 'pipeline' else f' M={M}':<6} step "
-                f"{walls[i] * 1e3:8.2f} ms, kernels {kern[i] * 1e3:8.2f} ms in {ncall[i]} calls, "
-                f"overhead {per_call * 1e6:6.2f} us/call")
-    for method in ("layerwise", "mgrit"):  # the calls only P > 1 makes (rank boundaries)
-        rec.enabled = True
-        run_virtual(2, _recorded_steps, method, rm, cfg, x, y, repeats + 1, rec)
+    for depth in sorted({layers, min(small, layers)}, reverse=True):
+        model, x, y = build_model(cfg, depth)
+        rm = recording_model(model, rec)
+        for method, M in runs:
+            # on one virtual rank with a communicator (serial: none), the code path of the
+            # predictions and of the measured mpiexec runs
+            walls, kern, ncall, ksum = run_virtual(1, _timed_steps, method, rm, cfg, x, y, M,
+                                                   rec, repeats)[0]
+            i = int(np.argsort(walls)[len(walls) // 2])
+            if log:
+                log(f"  {depth:>4} layers {method:<16}{'' if method != 'pipeline' else f'M={M}':<5}"
+                    f" step {walls[i] * 1e3:8.2f} ms, kernels {kern[i] * 1e3:8.2f} ms in "
+                    f"{ncall[i]} calls ({ksum[i]} states)")
+            if method == "mgrit-uncaptured":
+                continue
+            points.setdefault(method, []).append((ncall[i], ksum[i], walls[i] - kern[i]))
+            if depth == layers:
+                calls[f"{method}-{M}" if method == "pipeline" else method] = ncall[i]
+        if depth == layers:
+            for method in ("layerwise", "mgrit"):  # the calls only P > 1 makes (boundaries)
+                rec.enabled = True
+                run_virtual(2, _recorded_steps, method, rm, cfg, x, y, repeats + 1, rec)
+    overhead = {method: _fit_overhead(pts) for method, pts in points.items()}
+    if log:
+        for method, (a, b) in overhead.items():
+            log(f"  overhead {method:<10} {a * 1e6:8.2f} us per call + {b * 1e6:7.3f} us per "
+                f"state")
     meta = dict(machine_meta(), config={k: (list(v) if isinstance(v, tuple) else v)
                                         for k, v in cfg.items()},
-                calibration_layers=layers, repeats=repeats, calls=calls, backend=cfg["backend"],
+                calibration_layers=layers, calibration_small=min(small, layers),
+                repeats=repeats, calls=calls, backend=cfg["backend"],
                 numba_threads=_numba_threads())
-    return CostTable.from_samples(rec.samples, overhead=overhead, meta=meta)
+    samples = rec.samples + vector_samples(_state_shape(rec.samples), model.dtype)
+    table = CostTable.from_samples(samples, overhead=overhead, meta=meta)
+    return with_tape_entries(table, rec.tapes)
+
+
+def _fit_overhead(points):
+    """(a, b) >= 0 with overhead ~ calls a + states b from [(calls, states, seconds)] (least
+    squares; a component that comes out negative is left out)."""
+    A = np.array([[c, k] for c, k, _ in points], dtype=float)
+    t = np.array([max(o, 0.0) for _, _, o in points])
+    if len(points) > 1 and np.linalg.matrix_rank(A) == 2:
+        a, b = np.linalg.lstsq(A, t, rcond=None)[0]
+        if a >= 0 and b >= 0:
+            return float(a), float(b)
+    cols = [(A[:, 0], 0), (A[:, 1], 1)]
+    best = None
+    for col, j in cols:  # one component only: the better fit of the two
+        if not col.any():
+            continue
+        x = float(col @ t / (col @ col))
+        err = float(np.sum((col * x - t) ** 2))
+        if best is None or err < best[0]:
+            best = (err, j, max(x, 0.0))
+    if best is None:
+        return 0.0, 0.0
+    return (best[2], 0.0) if best[1] == 0 else (0.0, best[2])
+
+
+def _state_shape(samples):
+    """The state shape of the stacked chains in recorded ``samples`` (the largest, level 0)."""
+    shapes = [s[1] for s in samples if s[0] in ("chains_forward", "run_tape")]
+    return max(shapes, key=math.prod)
 
 
 def _timed_steps(comm, method, model, cfg, x, y, M, rec, repeats):
-    """(wall seconds, kernel seconds, kernel calls) of ``repeats`` recorded training steps of
-    ``method`` after two unrecorded ones."""
+    """(wall seconds, kernel seconds, kernel calls, states the calls handled) of ``repeats``
+    recorded training steps of ``method`` after two unrecorded ones."""
     if method == "layerwise":  # one rank through the solver: the chain path of P > 1
         from ..mgrit import MGRITOptions
         from ..network import LayerParallel
@@ -167,13 +211,14 @@ def _timed_steps(comm, method, model, cfg, x, y, M, rec, repeats):
         obj = LayerParallel(model, fwd=opts, bwd=opts, comm=comm, threads=None,
                             backend=cfg["backend"], guard=None)
     else:
-        obj = _trainer(method, model, None if method == "serial" else comm, cfg, M,
-                       cfg["backend"])
+        obj = _trainer(method.split("-")[0], model, None if method == "serial" else comm, cfg,
+                       M, cfg["backend"])
+        obj.capture = method != "mgrit-uncaptured"
     rec.enabled = False
     obj.loss_and_grad(x, y)
     obj.loss_and_grad(x, y)
     rec.enabled = True
-    walls, kern, ncall = [], [], []
+    walls, kern, ncall, ksum = [], [], [], []
     for _ in range(repeats):
         n0, s0 = len(rec.samples), rec.total()
         t0 = time.perf_counter()
@@ -181,7 +226,8 @@ def _timed_steps(comm, method, model, cfg, x, y, M, rec, repeats):
         walls.append(time.perf_counter() - t0)
         kern.append(rec.total() - s0)
         ncall.append(len(rec.samples) - n0)
-    return walls, kern, ncall
+        ksum.append(sum(s[3] for s in rec.samples[n0:]))
+    return walls, kern, ncall, ksum
 
 
 def _device_sync(backend):
@@ -276,6 +322,9 @@ def measure_network(log=print, timeout=120):
 def _rank_step(comm, method, model, cfg, x, y, micro):
     obj = _trainer(method, model, None if method == "serial" else comm, cfg, micro)
     _build_solvers(obj)  # the steady state: a training run builds them once, before step 1
+    if getattr(obj, "fwd", None) is not None or getattr(obj, "bwd", None) is not None:
+        with np.errstate(all="ignore"):  # MGRIT: step 1 captures the cycles, later steps
+            obj.loss_and_grad(x, y)      # replay them (charged as their rows)
     st = comm.stats
     comm.Barrier()
     t0, c0, w0, m0 = comm.clock, st.compute_s, st.wait_s, st.message_s
@@ -414,14 +463,19 @@ class _Stretched(CostTable):
         self.__dict__.update(table.__dict__)
         self._base, self._factor = table, factor
 
-    def seconds(self, op, shape, dtype, k, method=None):
-        return self._factor * self._base.seconds(op, shape, dtype, k, method)
+    def _ab(self, op, shape, dtype, missing):
+        a, b = self._base._ab(op, shape, dtype, missing)
+        return self._factor * a, self._factor * b
+
+    def seconds(self, op, shape, dtype, k, method=None, missing=None):
+        return self._factor * self._base.seconds(op, shape, dtype, k, method, missing)
 
 
 def predict(cfg, table, ranks, methods=METHODS, cores=None, log=print):
     """Rows (dict: method, micro_batches, ranks, time_s, speedup, compute/wait/message
     fractions, imbalance) for every method and P of ``ranks`` that the method allows."""
     model = build_model(cfg)
+    bound = table.without_orchestration()
     rows = []
     t_serial = None
     for method in methods:
@@ -432,12 +486,7 @@ def predict(cfg, table, ranks, methods=METHODS, cores=None, log=print):
                         or (method == "layerwise" and P == 1):  # = serial
                     continue
                 t0 = time.perf_counter()
-                if P >= 256:  # a fresh process builds its own copy of the model
-                    r = _in_child(predict_point, cfg, table, method, P, micro=max(M, 1),
-                                  cores=cores)
-                else:
-                    r = predict_point(cfg, table, method, P, micro=max(M, 1), cores=cores,
-                                      model=model)
+                r = _point(cfg, table, method, P, max(M, 1), cores, model)
                 comp = [q["compute"] for q in r["ranks"]]
                 row = {"method": method, "micro_batches": M, "ranks": P, "time_s": r["time"],
                        "compute_max_s": max(comp), "compute_mean_s": float(np.mean(comp)),
@@ -447,13 +496,25 @@ def predict(cfg, table, ranks, methods=METHODS, cores=None, log=print):
                        "wall_s": time.perf_counter() - t0}
                 if method == "serial":
                     t_serial = r["time"]
+                if method == "mgrit":  # the same run with zero orchestration cost
+                    row["bound_s"] = _point(cfg, bound, method, P, 1, cores, model)["time"]
+                    row["wall_s"] = time.perf_counter() - t0
                 rows.append(row)
                 if log:
                     log(f"  {method:<9}{f'M={M}' if M else '':<6}P={P:<6} "
-                        f"{r['time'] * 1e3:10.3f} ms   (virtual run {row['wall_s']:.1f} s)")
+                        f"{r['time'] * 1e3:10.3f} ms"
+                        + (f" (bound {row['bound_s'] * 1e3:.3f} ms)" if "bound_s" in row else "")
+                        + f"   (virtual run {row['wall_s']:.1f} s)")
     for row in rows:
         row["speedup"] = t_serial / row["time_s"] if t_serial else None
     return rows
+
+
+def _point(cfg, table, method, P, micro, cores, model):
+    """:func:`predict_point`; from P = 256 in a fresh process (it builds its own model)."""
+    if P >= 256:
+        return _in_child(predict_point, cfg, table, method, P, micro=micro, cores=cores)
+    return predict_point(cfg, table, method, P, micro=micro, cores=cores, model=model)
 
 
 def crossovers(rows):
@@ -476,15 +537,19 @@ def crossovers(rows):
 
 
 def format_rows(rows):
+    """The prediction table; MGRIT rows also show the critical-path bound (zero orchestration
+    cost) and how many times it the prediction is."""
     lines = [f"{'method':<10}{'M':>3}{'P':>7}{'time/step':>13}{'speedup':>9}{'compute':>9}"
-             f"{'wait':>8}{'msgs':>8}{'imbal':>7}",
-             "-" * 74]
+             f"{'wait':>8}{'msgs':>8}{'imbal':>7}{'bound':>13}{'x bound':>9}",
+             "-" * 96]
     for r in rows:
         t = r["time_s"]
+        b = r.get("bound_s")
         lines.append(f"{r['method']:<10}{r['micro_batches'] or '':>3}{r['ranks']:>7}"
                      f"{_fmt_time(t):>13}{r['speedup']:>9.2f}"
                      f"{100 * r['compute_max_s'] / t:>8.0f}%{100 * r['wait_mean_s'] / t:>7.0f}%"
-                     f"{100 * r['message_mean_s'] / t:>7.0f}%{r['imbalance']:>7.2f}")
+                     f"{100 * r['message_mean_s'] / t:>7.0f}%{r['imbalance']:>7.2f}"
+                     + (f"{_fmt_time(b):>13}{t / b:>9.2f}" if b else ""))
     return "\n".join(lines)
 
 
@@ -807,7 +872,7 @@ def main(args, log=print):
 
 # -- validation: the same training steps measured under mpiexec -------------------------------
 
-def measure_steps(comm, cfg, repeats=5):
+def measure_steps(comm, cfg, repeats=5, methods=None):
     """Measured seconds per training step (median of ``repeats`` after 2 warm-ups, ranks
     synchronised by a barrier around each step) of every method :func:`predict` models, with
     the same objects (:func:`_trainer`), on the ranks of ``comm`` (P = its size; serial on
@@ -816,6 +881,8 @@ def measure_steps(comm, cfg, repeats=5):
     model, x, y = build_model(cfg)
     runs = [("serial", 1)] if P == 1 else [("layerwise", 1)]
     runs += [("pipeline", M) for M in cfg["micro"] if M <= cfg["batch"]] + [("mgrit", 1)]
+    if methods is not None:
+        runs = [(m, M) for m, M in runs if m in methods]
     out = {}
     sync = _device_sync(cfg["backend"]) or (lambda: None)
     for method, M in runs:
@@ -834,11 +901,12 @@ def measure_steps(comm, cfg, repeats=5):
     return out
 
 
-def _measure_main(cfg_json, repeats):
+def _measure_main(cfg_json, repeats, methods=None):
     from mpi4py import MPI
     cfg = json.loads(cfg_json)
     cfg["micro"] = tuple(cfg["micro"])
-    got = measure_steps(MPI.COMM_WORLD, cfg, int(repeats))
+    got = measure_steps(MPI.COMM_WORLD, cfg, int(repeats),
+                        None if methods is None else methods.split(","))
     if MPI.COMM_WORLD.Get_rank() == 0:
         print(json.dumps(got), flush=True)
 
@@ -848,31 +916,14 @@ def validate(cfg, table, ranks=(1, 2, 4), repeats=5, log=print, timeout=900):
     mgnn.studies.predict measure`` (NUMBA_NUM_THREADS=1, as the calibration's one thread per rank), and
     the prediction with ``cores`` = this machine's CPUs (P > cores: oversubscribed). Rows of
     (method, micro_batches, ranks, measured_s, predicted_s, error = predicted / measured - 1)."""
-    import shutil
-    exe = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep +
-                       os.environ.get("PATH", ""))
-    if exe is None:
-        raise ValueError("bench predict --validate needs mpiexec (pip install 'mgnn[mpi]')")
     cores = _cores()
-    env = dict(os.environ, NUMBA_NUM_THREADS="1", OMP_NUM_THREADS="1",
-               OPENBLAS_NUM_THREADS="1")
-    doc = json.dumps({k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.items()})
     model = build_model(cfg)
     rows = []
     for P in ranks:
-        cmd = [exe, "-n", str(P), sys.executable, "-m", "mgnn.studies.predict", "measure", doc,
-               str(repeats)]
         if log:
             log(f"  measuring P={P}: mpiexec -n {P} python -m mgnn.studies.predict measure ..."
                 + (f" ({P} ranks on {cores} cores: oversubscribed)" if P > cores else ""))
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-        except subprocess.TimeoutExpired:
-            raise RuntimeError(f"mpiexec -n {P} measure did not finish in {timeout} s") from None
-        if proc.returncode != 0:
-            raise RuntimeError(f"mpiexec -n {P} measure failed ({proc.returncode}): "
-                               f"{proc.stderr[-2000:]}")
-        measured = json.loads(proc.stdout.strip().splitlines()[-1])
+        measured = _measure(cfg, P, repeats, timeout)
         for label, t in measured.items():
             method, _, M = label.partition("-")
             M = int(M) if M else 0
@@ -882,6 +933,87 @@ def validate(cfg, table, ranks=(1, 2, 4), repeats=5, log=print, timeout=900):
                          "predicted_s": pred, "error": pred / t - 1.0,
                          "oversubscribed": P > cores})
     return rows
+
+
+def _measure(cfg, P, repeats, timeout, methods=None):
+    """{label: measured seconds per step} of ``mpiexec -n P python -m mgnn.studies.predict
+    measure`` (one thread per rank, as the calibration)."""
+    import shutil
+    exe = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep +
+                       os.environ.get("PATH", ""))
+    if exe is None:
+        raise ValueError("bench predict --validate needs mpiexec (pip install 'mgnn[mpi]')")
+    env = dict(os.environ, NUMBA_NUM_THREADS="1", OMP_NUM_THREADS="1",
+               OPENBLAS_NUM_THREADS="1")
+    doc = json.dumps({k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.items()})
+    cmd = [exe, "-n", str(P), sys.executable, "-m", "mgnn.studies.predict", "measure", doc,
+           str(repeats)] + ([",".join(methods)] if methods else [])
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"mpiexec -n {P} measure did not finish in {timeout} s") from None
+    if proc.returncode != 0:
+        raise RuntimeError(f"mpiexec -n {P} measure failed ({proc.returncode}): "
+                           f"{proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def validation_points(ranks=(1, 2, 3, 4), per_rank=(1, 2, 4, 8), levels=(3, 4, 5, 6), cf=2,
+                      min_coarse=2):
+    """The (P, layers per rank, levels) of a validation grid that MGRIT can run: every rank
+    owns at least cf layers (blocks start at multiples of cf) and the hierarchy reaches the
+    level count; with the reasons for the others: [(P, per_rank, levels, why or None)]."""
+    from ..mgrit import level_sizes
+    out = []
+    for P in ranks:
+        for n in per_rank:
+            for L in levels:
+                why = None
+                if n < cf:
+                    why = f"a rank owns {n} < cf = {cf} layers"
+                elif len(level_sizes(P * n, cf, L, min_coarse)) < L:
+                    why = f"{P * n} layers reach {len(level_sizes(P * n, cf, L, min_coarse))} levels"
+                out.append((P, n, L, why))
+    return out
+
+
+def validate_grid(cfg, table, points, repeats=9, log=print, timeout=900):
+    """Measured (``mpiexec -n P``) against predicted MGRIT steps, with the critical-path bound,
+    at each runnable (P, layers per rank, levels) of ``points`` (:func:`validation_points`);
+    ``cfg`` gives everything else (its n_layers / levels are replaced). Rows of (ranks,
+    layers_per_rank, n_layers, levels, measured_s, predicted_s, bound_s, error,
+    oversubscribed)."""
+    cores = _cores()
+    bound = table.without_orchestration()
+    rows = []
+    for P, n, L, why in points:
+        if why is not None:
+            continue
+        c = dict(cfg, n_layers=P * n, levels=L)
+        t = _measure(c, P, repeats, timeout, methods=("mgrit",))["mgrit"]
+        model = build_model(c)
+        pred = predict_point(c, table, "mgrit", P, cores=cores, model=model)["time"]
+        low = predict_point(c, bound, "mgrit", P, cores=cores, model=model)["time"]
+        rows.append({"ranks": P, "layers_per_rank": n, "n_layers": P * n, "levels": L,
+                     "measured_s": t, "predicted_s": pred, "bound_s": low,
+                     "error": pred / t - 1.0, "oversubscribed": P > cores})
+        if log:
+            log(f"  P={P} {n} layers/rank {L} levels: measured {_fmt_time(t)}, predicted "
+                f"{_fmt_time(pred)} ({100 * (pred / t - 1):+.1f}%), bound {_fmt_time(low)}")
+    return rows
+
+
+def format_validation_grid(rows):
+    """A Markdown table of :func:`validate_grid`'s rows."""
+    lines = ["| P | layers/rank | N | levels | measured | predicted | error | bound | "
+             "measured / bound |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['ranks']}{' (oversubscribed)' if r['oversubscribed'] else ''} | "
+                     f"{r['layers_per_rank']} | {r['n_layers']} | {r['levels']} | "
+                     f"{_fmt_time(r['measured_s'])} | {_fmt_time(r['predicted_s'])} | "
+                     f"{100 * r['error']:+.1f}% | {_fmt_time(r['bound_s'])} | "
+                     f"{r['measured_s'] / r['bound_s']:.2f} |")
+    return "\n".join(lines)
 
 
 def _cores():
@@ -916,8 +1048,9 @@ def _pingpong_main():
 if __name__ == "__main__":  # helpers run under mpiexec by calibrate and --validate
     if sys.argv[1:] == ["pingpong"]:
         _pingpong_main()
-    elif len(sys.argv) == 4 and sys.argv[1] == "measure":
-        _measure_main(sys.argv[2], sys.argv[3])
+    elif len(sys.argv) in (4, 5) and sys.argv[1] == "measure":
+        _measure_main(*sys.argv[2:])
     else:
         raise SystemExit("usage: mpiexec -n 2 python -m mgnn.studies.predict pingpong | "
-                         "mpiexec -n P python -m mgnn.studies.predict measure CONFIG_JSON REPEATS")
+                         "mpiexec -n P python -m mgnn.studies.predict measure CONFIG_JSON REPEATS "
+                         "[METHODS]")
