@@ -301,8 +301,9 @@ def cost_model(model, table, method="mgrit"):
 
 
 def _fit(points):
-    """(a, b) >= 0 with seconds ~ a + b k from [(k, seconds)]: least squares over the medians
-    of each k; one k only: a = 0."""
+    """(a, b) >= 0 with seconds ~ a + b k from [(k, seconds)]: least squares of the relative
+    errors over the medians of each k (a call of a few states as well priced as one of
+    hundreds); one k only: a = 0."""
     by_k = {}
     for k, t in points:
         by_k.setdefault(k, []).append(t)
@@ -310,9 +311,10 @@ def _fit(points):
     ts = np.array([np.median(by_k[k]) for k in sorted(by_k)])
     if len(ks) == 1 or np.ptp(ks) == 0:
         return 0.0, float(ts[0] / max(ks[0], 1.0))
-    b, a = np.polyfit(ks, ts, 1)
+    w = 1.0 / np.maximum(ts, 1e-12)
+    b, a = np.polyfit(ks, ts, 1, w=w)
     if a < 0:
-        a, b = 0.0, float(np.sum(ks * ts) / np.sum(ks * ks))
+        a, b = 0.0, float(np.sum(ks * ts * w * w) / np.sum(ks * ks * w * w))
     if b < 0:
         a, b = float(np.median(ts)), 0.0
     return float(a), float(b)

@@ -118,8 +118,8 @@ def calibrate(cfg, repeats=5, layers=None, log=print):
 
     Every method (serial, layer-wise on one rank, pipeline with each of ``cfg['micro']``, MGRIT)
     runs one untimed training step and then ``repeats`` recorded ones, at two depths: ``layers``
-    (default min(N, 256), at least what the MGRIT hierarchy needs) and the least the hierarchy
-    needs. Every kernel call's wall time becomes a sample (``a + b k`` per op and shape), and
+    (default min(N, 256), at least what the MGRIT hierarchy needs) and 4 cf layers (the
+    hierarchy as deep as they allow). Every kernel call's wall time becomes a sample (``a + b k`` per op and shape), and
     the step's time outside its kernels the method's overhead per call, ``a_o + b_o k`` with k
     the states the call handles: fitted over both depths, so that it holds from a few layers
     per rank (where the Python per call dominates) to hundreds (where the work that grows with
@@ -127,22 +127,23 @@ def calibrate(cfg, repeats=5, layers=None, log=print):
     whose per-state costs price the rows of the captured cycles the timed steps replay.
     """
     N = cfg["n_layers"]
-    small = 2 * cfg["cf"] ** max(cfg["levels"] - 1, 1)
     if layers is None:
-        layers = min(N, max(256, small))
+        layers = min(N, max(256, 2 * cfg["cf"] ** max(cfg["levels"] - 1, 1)))
+    small = min(layers, 4 * cfg["cf"])  # a few layers: the hierarchy as deep as they allow
     rec = Recorder()
     rec.sync = _device_sync(cfg["backend"])
     points, calls = {}, {}
     runs = [("serial", 1), ("layerwise", 1), ("mgrit-uncaptured", 1), ("mgrit", 1)] + [
         ("pipeline", M) for M in cfg["micro"] if M <= cfg["batch"]]
-    for depth in sorted({layers, min(small, layers)}, reverse=True):
+    for depth in sorted({layers, small}, reverse=True):
         model, x, y = build_model(cfg, depth)
         rm = recording_model(model, rec)
         for method, M in runs:
-            # on one virtual rank with a communicator (serial: none), the code path of the
-            # predictions and of the measured mpiexec runs
-            walls, kern, ncall, ksum = run_virtual(1, _timed_steps, method, rm, cfg, x, y, M,
-                                                   rec, repeats)[0]
+            # on one rank with a communicator (serial: none), the code path of the predictions
+            # and of the measured mpiexec runs: MPI's COMM_SELF where mpi4py is installed (a
+            # virtual rank's scheduler would add Python time that real runs do not have)
+            walls, kern, ncall, ksum = _on_one_rank(_timed_steps, method, rm, cfg, x, y, M,
+                                                    rec, repeats)
             i = int(np.argsort(walls)[len(walls) // 2])
             if log:
                 log(f"  {depth:>4} layers {method:<16}{'' if method != 'pipeline' else f'M={M}':<5}"
@@ -164,12 +165,21 @@ def calibrate(cfg, repeats=5, layers=None, log=print):
                 f"state")
     meta = dict(machine_meta(), config={k: (list(v) if isinstance(v, tuple) else v)
                                         for k, v in cfg.items()},
-                calibration_layers=layers, calibration_small=min(small, layers),
+                calibration_layers=layers, calibration_small=small,
                 repeats=repeats, calls=calls, backend=cfg["backend"],
                 numba_threads=_numba_threads())
     samples = rec.samples + vector_samples(_state_shape(rec.samples), model.dtype)
     table = CostTable.from_samples(samples, overhead=overhead, meta=meta)
     return with_tape_entries(table, rec.tapes)
+
+
+def _on_one_rank(fn, *args):
+    """``fn(comm, *args)`` on MPI's COMM_SELF, or on one virtual rank without mpi4py."""
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return run_virtual(1, fn, *args)[0]
+    return fn(MPI.COMM_SELF, *args)
 
 
 def _fit_overhead(points):

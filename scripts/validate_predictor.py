@@ -1,0 +1,78 @@
+"""Validate ``bench predict`` where large P lives: a few layers per rank, several levels.
+
+For every runnable (P, layers per rank, levels) of the grid, a real ``mpiexec -n P`` MGRIT
+training step (median of ``--repeats``, one thread per rank) against the prediction of the same
+setting on virtual ranks, with the critical-path bound (zero orchestration cost) beside both.
+One cost table serves every point: calibrated once at ``--calibration-layers`` (two depths,
+see :func:`mgnn.studies.predict.calibrate`), as a user calibrates before predicting P = 4096.
+
+    python scripts/validate_predictor.py --out results/validate_grid
+
+writes ``validate_grid.json`` and ``validate_grid.md`` (the table) under ``--out``.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+from mgnn.comm import configure_threads
+from mgnn.studies.costs import CostTable
+from mgnn.studies.predict import (_cores, _write_text, calibrate, default_config,
+                                  format_validation_grid, validate_grid, validation_points)
+
+
+def _ints(text):
+    return tuple(int(v) for v in text.split(","))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=_ints, default=(1, 2, 3, 4))
+    ap.add_argument("--per-rank", type=_ints, default=(1, 2, 4, 8), help="layers per rank")
+    ap.add_argument("--levels", type=_ints, default=(3, 4, 5, 6))
+    ap.add_argument("--cf", type=int, default=2)
+    ap.add_argument("--width", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--fwd-iters", type=int, default=2)
+    ap.add_argument("--bwd-iters", type=int, default=1)
+    ap.add_argument("--calibration-layers", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--costs", default=None, help="a cost table to use instead of calibrating")
+    ap.add_argument("--out", default="results/validate_grid")
+    args = ap.parse_args(argv)
+    configure_threads(None, 1)  # as the measured ranks (NUMBA_NUM_THREADS=1)
+    cfg = default_config(n_layers=args.calibration_layers, width=args.width, batch=args.batch,
+                         levels=max(args.levels), cf=args.cf, fwd_iters=args.fwd_iters,
+                         bwd_iters=args.bwd_iters, micro=(4,))
+    t0 = time.perf_counter()
+    if args.costs:
+        table = CostTable.load(args.costs)
+    else:
+        print(f"calibrating at {args.calibration_layers} layers (and the hierarchy's least)")
+        table = calibrate(cfg, repeats=5, layers=args.calibration_layers)
+        table.save(os.path.join(args.out, "costs.json"))
+    points = validation_points(args.ranks, args.per_rank, args.levels, args.cf)
+    for P, n, L, why in points:
+        if why:
+            print(f"  not runnable: P={P}, {n} layers/rank, {L} levels: {why}")
+    rows = validate_grid(cfg, table, points, repeats=args.repeats)
+    text = format_validation_grid(rows)
+    worst = max((abs(r["error"]) for r in rows), default=0.0)
+    worst_free = max((abs(r["error"]) for r in rows if not r["oversubscribed"]), default=0.0)
+    summary = (f"dense w={args.width}, B={args.batch}, cf {args.cf}, {args.fwd_iters}/"
+               f"{args.bwd_iters} cycles, {_cores()} cores; largest error {100 * worst:.1f}% "
+               f"(not oversubscribed: {100 * worst_free:.1f}%)")
+    print(text)
+    print(summary)
+    _write_text(os.path.join(args.out, "validate_grid.md"), text + "\n\n" + summary + "\n")
+    _write_text(os.path.join(args.out, "validate_grid.json"), json.dumps(
+        {"args": vars(args), "cores": _cores(), "rows": rows,
+         "skipped": [p for p in points if p[3]], "seconds": time.perf_counter() - t0},
+        indent=1))
+    print(f"wrote {args.out}/validate_grid.md, validate_grid.json")
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() is not None else 1)
