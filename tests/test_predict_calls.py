@@ -1,0 +1,174 @@
+"""The predictor charges the real code's call structure (mgnn.studies.costs / predict): replays
+of captured cycles as their rows, the final sweep's keep kernels, overheads per call and per
+state, the critical-path bound, and the mpiexec validation grid."""
+import shutil
+import sys
+
+import numpy as np
+import pytest
+
+from mgnn.backend import get_backend
+from mgnn.backend import tape as T
+from mgnn.comm.virtual import run_virtual
+from mgnn.studies.costs import (CostTable, Recorder, _zero_outputs, cost_model,
+                                recording_model, tape_seconds)
+from mgnn.studies.predict import (_fit_overhead, _trainer, build_model, default_config,
+                                  format_validation_grid, predict_point, validate_grid,
+                                  validation_points)
+
+GUARD = pytest.mark.timeout(300)
+CFG = dict(n_layers=32, width=8, batch=8, levels=3, cf=2, fwd_iters=2, bwd_iters=1, micro=(2,))
+
+
+def _ops(cfg):
+    """Every (op, shape, dtype) a captured and an uncaptured MGRIT step and a serial one call."""
+    rec = Recorder()
+    model, x, y = build_model(cfg)
+    rm = recording_model(model, rec)
+    for method, capture in (("serial", True), ("mgrit", False), ("mgrit", True)):
+        obj = _trainer(method, rm, None, cfg)
+        obj.capture = capture
+        for _ in range(2):
+            obj.loss_and_grad(x, y)
+    return {(op, shape, dtype) for op, shape, dtype, _, _ in rec.samples}
+
+
+def _two_steps(comm, model, cfg, x, y, capture):
+    """The virtual time of a second training step (the first captures where it may) and the
+    rows of the forward and adjoint tapes that share a step (``SHARE_R``)."""
+    obj = _trainer("mgrit", model, comm, cfg)
+    obj.capture = capture
+    obj.loss_and_grad(x, y)
+    t0 = comm.clock
+    obj.loss_and_grad(x, y)
+    shared = sum(int(np.count_nonzero(t.rows[:, T.SHARE_R] >= 0))
+                 for s in obj._solvers.values() for t in s._tapes.values() if t and t.replays)
+    replays = sum(t.replays for s in obj._solvers.values() for t in s._tapes.values() if t)
+    return comm.clock - t0, shared, replays
+
+
+@GUARD
+def test_a_replayed_cycle_is_charged_as_the_engine_calls_it_replaces():
+    cfg = default_config(**CFG)
+    b = 1e-4
+    # per-state costs only: every kernel b per state, vector passes and replays free
+    ops = _ops(cfg)
+    table = CostTable({CostTable.key(*k): (0.0, 0.0 if k[0] == "run_tape" else b)
+                       for k in ops}, alpha=0.0, beta=1e30)
+    assert table.has("run_tape", "float32")  # the calibrated backend replays: so do these
+    model, x, y = build_model(cfg)
+    cm = cost_model(model, table)
+    plain, _, none = run_virtual(1, _two_steps, cm, cfg, x, y, False)[0]
+    replayed, shared, replays = run_virtual(1, _two_steps, cm, cfg, x, y, True)[0]
+    assert none == 0 and replays >= 2  # the forward and the adjoint solve replayed
+    # a shared first step replaces a coarse FAS point (b) by a vector pass (free here)
+    assert replayed == pytest.approx(plain - shared * b, rel=1e-12)
+    # and the rows' kernels are what they cost: priced again with vector passes
+    vec = CostTable(dict(table.entries, **{CostTable.key(op, (8, 8), "float32"): (0.0, b)
+                                           for op in ("vector:copy", "vector:correct")}),
+                    alpha=0.0, beta=1e30)
+    assert predict_point(cfg, vec, "mgrit", 1)["time"] > predict_point(cfg, table, "mgrit",
+                                                                       1)["time"]
+
+
+def test_tape_rows_are_priced_by_kind():
+    rows = np.array([T.blank(T.CHAIN) for _ in range(3)] + [T.blank(T.POINT)]
+                    + [T.blank(T.INJECT), T.blank(T.CORRECT)], dtype=np.int64)
+    rows[0, T.N], rows[1, T.N], rows[2, T.N] = 3, 2, 1
+    rows[1, T.R], rows[1, T.MODE] = 0, 0            # a residual tail
+    rows[2, T.SHARE_R], rows[2, T.CORR_SLOT] = 0, 1  # a shared step, a carried correction
+    rows[2, T.INJ_SLOT], rows[2, T.INJ_G] = 2, 0     # a carried injection into two stores
+    rows[3, T.MODE] = 1                              # a FAS point
+    rows[4, T.LEN], rows[4, T.G] = 4, -1             # an injection of 4 states, one store
+    rows[5, T.LEN] = 5                               # a correction of 5
+    shape, dt = (2, 3), "float32"
+    price = {"chains_forward": 1.0, "points_forward:0": 10.0, "points_forward:1": 100.0,
+             "vector:copy": 1000.0, "vector:correct": 10000.0}
+    table = CostTable({CostTable.key(op, shape, dt): (7.0, p) for op, p in price.items()})
+    got = tape_seconds(table, rows, shape, dt, False, [9])
+    # 6 chain steps, 1 residual, 1 FAS point, 2 + 4 copies, 2 + 5 corrections (a never)
+    assert got == 6 * 1 + 10 + 100 + 6 * 1000 + 7 * 10000
+    with pytest.raises(KeyError, match="chains_adjoint"):
+        tape_seconds(table, rows, shape, dt, True, [9])
+
+
+def test_the_cost_only_final_sweep_flags_the_rows_the_kernel_keeps():
+    from mgnn import dense_resnet
+    bk = get_backend("numba")
+    model = dense_resnet(4, 4, 2, 12, seed=0)
+    W, b = model.step_params()["weight"], model.step_params()["bias"]
+    rng = np.random.default_rng(0)
+    U = rng.standard_normal((14, 3, 4)).astype(model.dtype)
+    for chains, layer0, step, d_lo in (([[1, 3], [5, 2]], -1, 1, 0), ([[2, 4]], 12, -1, 3),
+                                       ([[1, 5]], -2, 2, 2)):
+        chains = np.array(chains, dtype=np.int64)
+        D = np.zeros((6, 3, 4), model.dtype)
+        real, charged = np.zeros(6, np.int8), np.zeros(6, np.int8)
+        if not model.step.can_keep_derivs(bk):
+            pytest.skip("no keep kernels in this backend")
+        model.step.chains_forward_derivs(W, b, U.copy(), chains, layer0, step, model.dtype.type(
+            0.1), D, d_lo, real, bk)
+        _zero_outputs("chains_forward_derivs", (W, b, U.copy(), chains, layer0, step, 0.1, D,
+                                                d_lo, charged, bk))
+        assert real.tolist() == charged.tolist() and real.any()
+
+
+def test_the_bound_drops_every_orchestration_cost():
+    shape, dt = (8, 8), "float32"
+    table = CostTable({CostTable.key("chains_forward", shape, dt): (5e-6, 2e-6),
+                       CostTable.key("run_tape", shape, dt): (3e-6, 1e-6)},
+                      overhead={"mgrit": [4e-5, 1e-6]}, alpha=2e-6, beta=1e9)
+    bound = table.without_orchestration()
+    assert bound.seconds("chains_forward", shape, dt, 3, "mgrit") == pytest.approx(6e-6)
+    assert table.seconds("chains_forward", shape, dt, 3, "mgrit") == pytest.approx(
+        5e-6 + 6e-6 + 4e-5 + 3e-6)
+    assert not bound.has("run_tape", dt) and table.has("run_tape", dt)
+    assert (bound.alpha, bound.beta) == (table.alpha, table.beta)
+
+
+@GUARD
+def test_the_bound_is_below_the_prediction_and_both_are_deterministic():
+    from mgnn.studies.predict import calibrate
+    cfg = default_config(**CFG)
+    table = calibrate(cfg, repeats=1, layers=16, log=None)
+    assert set(table.overhead) >= {"serial", "mgrit"}
+    assert all(len(o) == 2 and min(o) >= 0 for o in table.overhead.values())
+    for P in (1, 2, 4):
+        got = predict_point(cfg, table, "mgrit", P)["time"]
+        low = predict_point(cfg, table.without_orchestration(), "mgrit", P)["time"]
+        assert 0 < low < got
+        assert predict_point(cfg, table, "mgrit", P)["time"] == got
+
+
+def test_the_overhead_fit_recovers_per_call_and_per_state_parts():
+    pts = [(10, 50, 10 * 3e-5 + 50 * 1e-6), (10, 1500, 10 * 3e-5 + 1500 * 1e-6)]
+    a, b = _fit_overhead(pts)
+    assert a == pytest.approx(3e-5) and b == pytest.approx(1e-6)
+    # per-state time that falls with the states: the per-call part alone, never negative
+    a, b = _fit_overhead([(10, 50, 1e-3), (10, 1500, 0.9e-3)])
+    assert b == 0.0 and a > 0
+    assert _fit_overhead([(7, 0, 7e-5)]) == pytest.approx((1e-5, 0.0))
+
+
+def test_validation_points_say_why_a_setting_cannot_run():
+    pts = {(P, n, L): why for P, n, L, why in validation_points((1, 2), (1, 4), (3, 5), cf=2)}
+    assert "cf = 2" in pts[(2, 1, 3)]
+    assert pts[(2, 4, 3)] is None
+    assert "reach 3 levels" in pts[(2, 4, 5)]  # 8 layers: 8, 4, 2
+
+
+@GUARD
+@pytest.mark.skipif(shutil.which("mpiexec", path=sys.prefix + "/bin") is None,
+                    reason="needs mpiexec (pip install 'mgnn[mpi]')")
+def test_the_validation_grid_measures_real_mpiexec_runs():
+    from mgnn.studies.predict import calibrate
+    cfg = default_config(**CFG)
+    table = calibrate(cfg, repeats=1, layers=16, log=None)
+    rows = validate_grid(cfg, table, [(1, 4, 3, None), (2, 4, 3, None), (2, 1, 3, "skip")],
+                         repeats=2, log=None, timeout=240)
+    assert [(r["ranks"], r["n_layers"]) for r in rows] == [(1, 4), (2, 8)]
+    for r in rows:
+        assert r["measured_s"] > 0 and 0 < r["bound_s"] < r["predicted_s"]
+        assert r["error"] == pytest.approx(r["predicted_s"] / r["measured_s"] - 1)
+    text = format_validation_grid(rows)
+    assert text.count("\n") == 3 and "| 2 | 4 | 8 | 3 |" in text
