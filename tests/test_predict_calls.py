@@ -122,7 +122,8 @@ def test_the_bound_drops_every_orchestration_cost():
     assert bound.seconds("chains_forward", shape, dt, 3, "mgrit") == pytest.approx(6e-6)
     assert table.seconds("chains_forward", shape, dt, 3, "mgrit") == pytest.approx(
         5e-6 + 6e-6 + 4e-5 + 3e-6)
-    assert not bound.has("run_tape", dt) and table.has("run_tape", dt)
+    assert bound.seconds("run_tape", shape, dt, 9, "mgrit") == 0.0
+    assert bound.has("run_tape", dt)  # the bound replays too: the rows without the replay
     assert (bound.alpha, bound.beta) == (table.alpha, table.beta)
 
 
@@ -134,10 +135,13 @@ def test_the_bound_is_below_the_prediction_and_both_are_deterministic():
     assert set(table.overhead) >= {"serial", "mgrit"}
     assert all(len(o) == 2 and min(o) >= 0 for o in table.overhead.values())
     for P in (1, 2, 4):
-        got = predict_point(cfg, table, "mgrit", P)["time"]
-        low = predict_point(cfg, table.without_orchestration(), "mgrit", P)["time"]
-        assert 0 < low < got
-        assert predict_point(cfg, table, "mgrit", P)["time"] == got
+        got = predict_point(cfg, table, "mgrit", P)
+        # the shadow clock of the one run is the run charged from the bound's table
+        low = predict_point(cfg, table.without_orchestration(), "mgrit", P)
+        assert got["bound"] == pytest.approx(low["time"], rel=1e-12)
+        assert low["bound"] == pytest.approx(low["time"], rel=1e-12)
+        assert 0 < got["bound"] < got["time"]
+        assert predict_point(cfg, table, "mgrit", P) == got
 
 
 def test_the_overhead_fit_recovers_per_call_and_per_state_parts():
@@ -172,3 +176,27 @@ def test_the_validation_grid_measures_real_mpiexec_runs():
         assert r["error"] == pytest.approx(r["predicted_s"] / r["measured_s"] - 1)
     text = format_validation_grid(rows)
     assert text.count("\n") == 3 and "| 2 | 4 | 8 | 3 |" in text
+
+
+def test_the_shadow_clock_runs_the_same_program_with_its_own_charges():
+    from mgnn.comm.virtual import Network
+
+    def program(comm):
+        r = comm.Get_rank()
+        buf = np.zeros(4)
+        comm.charge(3e-3 if r == 0 else 1e-3, 1e-3)
+        if r == 0:
+            comm.Isend(buf, 1, tag=1).Wait()
+        else:
+            comm.Irecv(buf, 0, tag=1).Wait()  # real: waits for rank 0; shadow: arrives at 1e-3
+        comm.charge(1e-3, 2e-3)
+        comm.Barrier()
+        return comm.clock, comm.shadow_clock
+
+    out = run_virtual(2, program, network=Network(alpha=1e-4, beta=1e30))
+    a = 1e-4  # one message, and a barrier of one alpha (2 ranks)
+    assert out[1][0] == pytest.approx(3e-3 + a + 1e-3 + a)
+    assert out[1][1] == pytest.approx(1e-3 + a + 2e-3 + a)
+    assert out[0][1] == pytest.approx(out[1][1])  # the barrier ends at the later shadow clock
+    with pytest.raises(ValueError, match="shadow must be a finite number"):
+        run_virtual(1, lambda comm: comm.charge(1.0, -1.0))

@@ -54,6 +54,15 @@ size for the lowercase forms) and ``N`` the bytes gathered from all ranks, ``T(P
   ``L alpha + (P - 1) / P N / beta`` (recursive doubling; a gather is charged the same);
 * ``Split``, ``Split_type``, ``Dup``: an allgather of two 4-byte ints per rank.
 
+Shadow clock (seconds, one per rank)
+------------------------------------
+A second clock follows the same rules with its own compute charges (``charge(seconds,
+shadow=...)``; without ``shadow``, the same seconds): messages arrive at the sender's shadow
+clock plus the same transfer time, receives and collectives complete at the largest shadow
+clock that the real clock's rules name. The program runs once and its path does not depend on
+time, so the shadow clock is the clock of the same run with other compute costs (e.g. the
+critical-path bound of a prediction: the kernels' work only). ``VirtualComm.shadow_clock``.
+
 Every blocked stretch ``[t0, t1]`` of a rank is split into message time (the transfer's cost, at
 most ``t1 - t0``) and waiting (the rest: a partner that was late), so every rank's
 ``clock = compute_s + wait_s + message_s`` (:class:`RankStats`).
@@ -273,11 +282,11 @@ def _swap_warnings(rank):
 
 
 class _Rank:
-    __slots__ = ("index", "clock", "stats", "glet", "status", "waiting", "result", "comm",
-                 "trace", "warnings")
+    __slots__ = ("index", "clock", "shadow", "stats", "glet", "status", "waiting", "result",
+                 "comm", "trace", "warnings")
 
     def __init__(self, index, trace):
-        self.index, self.clock, self.trace = index, 0.0, trace
+        self.index, self.clock, self.shadow, self.trace = index, 0.0, 0.0, trace
         self.stats = RankStats(index)
         self.glet = self.waiting = self.result = self.comm = self.warnings = None
         self.status = _NEW
@@ -291,16 +300,17 @@ class _Request:
     """A pending operation of one rank: a message or a collective."""
 
     __slots__ = ("owner", "what", "label", "done", "completion", "transfer", "finished",
-                 "waiter", "deliver", "output", "error", "post", "view", "comm")
+                 "waiter", "deliver", "output", "error", "post", "view", "comm", "post2",
+                 "completion2")
 
     def __init__(self, owner, what, label, comm=None):
         """``what``: a description for deadlock reports (or a callable making it); ``label``:
         a short one for traces."""
         self.owner, self.what, self.label, self.comm = owner, what, label, comm
         self.done = self.finished = False
-        self.completion = self.transfer = 0.0
+        self.completion = self.transfer = self.completion2 = 0.0
         self.waiter = self.deliver = self.output = self.error = self.view = None
-        self.post = owner.clock
+        self.post, self.post2 = owner.clock, owner.shadow
 
     def describe(self):
         return self.what() if callable(self.what) else self.what
@@ -481,7 +491,10 @@ class _World:
             heapq.heappush(self.heap, (max(rank.clock, req.completion), rank.index))
 
     def _advance(self, rank, req):
-        """Move ``rank``'s clock to ``req``'s completion: message time, then waiting."""
+        """Move ``rank``'s clock to ``req``'s completion: message time, then waiting (and its
+        shadow clock to the shadow completion)."""
+        if req.completion2 > rank.shadow:
+            rank.shadow = req.completion2
         if req.completion > rank.clock:
             t0, exposed = rank.clock, req.completion - rank.clock
             msg = min(exposed, req.transfer)
@@ -521,12 +534,14 @@ class _World:
         self._advance(rank, req)
         return False
 
-    def charge(self, rank, seconds):
-        if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real) or \
-                not (math.isfinite(seconds) and seconds >= 0):
-            raise ValueError(f"charge: seconds must be a finite number >= 0, got {seconds!r}")
+    def charge(self, rank, seconds, shadow=None):
+        for name, v in (("seconds", seconds), ("shadow", seconds if shadow is None else shadow)):
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or \
+                    not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"charge: {name} must be a finite number >= 0, got {v!r}")
         self.current(rank)
         t0 = rank.clock
+        rank.shadow += float(seconds if shadow is None else shadow)
         rank.clock += float(seconds)
         rank.stats.compute_s += float(seconds)
         rank.event("compute", t0, rank.clock)
@@ -538,7 +553,7 @@ class _World:
         self.current(rank)
         nbytes = payload.size
         transfer = 0.0 if dest_world == rank.index else self.network.message(nbytes)
-        msg = (payload, rank.clock + transfer, transfer)
+        msg = (payload, rank.clock + transfer, transfer, rank.shadow + transfer)
         rank.stats.sent_messages += 1
         rank.stats.sent_bytes += nbytes
         key = (comm._ctx, rank.index, dest_world, tag)
@@ -551,7 +566,7 @@ class _World:
         else:
             self.unexpected.setdefault(key, deque()).append(msg)
         req = _Request(rank, "Isend", "Isend")
-        req.done, req.completion = True, rank.clock
+        req.done, req.completion, req.completion2 = True, rank.clock, rank.shadow
         return req
 
     def irecv(self, comm, view, source_world, source, tag):
@@ -574,7 +589,7 @@ class _World:
         return req
 
     def _match(self, req, msg):
-        payload, arrival, transfer = msg
+        payload, arrival, transfer, arrival2 = msg
         if payload.size > req.view.size:
             req.error = ValueError(
                 f"virtual rank {req.owner.index}: message truncated: {payload.size} bytes "
@@ -585,6 +600,7 @@ class _World:
             req.owner.stats.recv_bytes += payload.size
         req.done, req.transfer = True, transfer
         req.completion = max(req.post, arrival)
+        req.completion2 = max(req.post2, arrival2)
         self.wake(req)
 
     def _finished_note(self, world_rank):
@@ -611,17 +627,19 @@ class _World:
                 f"{coll.label}{'' if coll.root is None else f' (root {coll.root})'}")
         req = _Request(rank, lambda: self._collective_wait(comm, coll),
                        f"{label} on comm {comm._ctx}", comm)
-        coll.arrived[comm._rank] = (rank.clock, contribution, req)
+        coll.arrived[comm._rank] = (rank.clock, contribution, req, rank.shadow)
         rank.stats.collectives += 1
         rank.stats.collective_bytes += _size(contribution)
         if len(coll.arrived) == coll.size:
             del self.collectives[key]
             order = [coll.arrived[i] for i in range(coll.size)]
-            outputs, nbytes = coll.finish([c for _, c, _ in order])
+            outputs, nbytes = coll.finish([c for _, c, _, _ in order])
             cost = self.network.collective(kind, coll.size, nbytes)
-            end = max(t for t, _, _ in order) + cost
-            for (_, _, r), out in zip(order, outputs):
+            end = max(t for t, _, _, _ in order) + cost
+            end2 = max(t for _, _, _, t in order) + cost
+            for (_, _, r, _), out in zip(order, outputs):
                 r.done, r.completion, r.transfer, r.output = True, end, cost, out
+                r.completion2 = end2
                 self.wake(r)
         return req
 
@@ -856,13 +874,20 @@ class VirtualComm:
         return self._owner.clock
 
     @property
+    def shadow_clock(self):
+        """This rank's shadow clock (see the module: the same run with the ``shadow`` compute
+        charges), seconds."""
+        return self._owner.shadow
+
+    @property
     def stats(self):
         """This rank's :class:`RankStats` (live: the numbers so far)."""
         return self._owner.stats
 
-    def charge(self, seconds):
-        """Advance this rank's virtual clock by ``seconds`` of compute (finite, >= 0)."""
-        self._world.charge(self._owner, seconds)
+    def charge(self, seconds, shadow=None):
+        """Advance this rank's virtual clock by ``seconds`` of compute (finite, >= 0), its
+        shadow clock by ``shadow`` (default: ``seconds``)."""
+        self._world.charge(self._owner, seconds, shadow)
 
     def _peer(self, r, what):
         if isinstance(r, bool) or not isinstance(r, numbers.Integral) or \
@@ -1153,13 +1178,14 @@ def current_comm():
     return None if rank is None else rank.comm
 
 
-def charge(seconds):
-    """Charge ``seconds`` of compute to the virtual rank running in this thread (for cost hooks
-    that hold no communicator). Raises RuntimeError outside :func:`run_virtual`."""
+def charge(seconds, shadow=None):
+    """Charge ``seconds`` of compute (``shadow`` to the shadow clock; default the same) to the
+    virtual rank running in this thread (for cost hooks that hold no communicator). Raises
+    RuntimeError outside :func:`run_virtual`."""
     comm = current_comm()
     if comm is None:
         raise RuntimeError("charge() called outside a virtual rank")
-    comm.charge(seconds)
+    comm.charge(seconds, shadow)
 
 
 def run_virtual(size, fn, *args, network=None, timeout_s=None, trace=False, payloads=True,

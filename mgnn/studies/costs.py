@@ -193,12 +193,14 @@ def _tape_call(args):
 def _charged_step(name):
     def method(self, *args, **kwargs):
         op, shape, k = _call_shape(name, args)
-        seconds = self._costs.seconds(op, shape, self._dtype, k, self._method,
-                                      missing=0.0 if name == "run_tape" else None)
         if name == "run_tape":  # the replay's own cost (a + c rows) plus its rows' kernels
+            seconds = self._costs.seconds(op, shape, self._dtype, k, self._method, missing=0.0)
             shape, rows, adjoint, sizes = _tape_call(args)
-            seconds += tape_seconds(self._costs, rows, shape, self._dtype, adjoint, sizes)
-        charge(seconds)
+            bound = tape_seconds(self._costs, rows, shape, self._dtype, adjoint, sizes)
+            seconds += bound
+        else:
+            seconds, bound = self._costs.charges(op, shape, self._dtype, k, self._method)
+        charge(seconds, bound)  # the shadow clock: the critical-path bound
         return _placeholder(name, self, args)
     method.__name__ = name
     return method
@@ -263,7 +265,7 @@ class _Module:
                     sync()
                 self._costs.add(op, shape, self._dtype, 1, time.perf_counter() - t0)
                 return out
-            charge(self._costs.seconds(op, shape, self._dtype, 1, self._method))
+            charge(*self._costs.charges(op, shape, self._dtype, 1, self._method))
             key = (name, shape)
             if key not in self._memo:  # real outputs once per shape (values never matter), by
                 # the NumPy reference: no Numba threads (a forked child must not start OpenMP)
@@ -369,6 +371,12 @@ class CostTable:
         a, b = self._ab(op, tuple(shape), dtype, missing)
         return a + b * k + (self.overhead_seconds(method, k) if method else 0.0)
 
+    def charges(self, op, shape, dtype, k, method=None):
+        """(:meth:`seconds`, the bound's part ``b k``: the call's work without its per-call
+        ``a`` and the Python overhead; see :meth:`without_orchestration`)."""
+        a, b = self._ab(op, tuple(shape), dtype, None)
+        return (a + b * k + (self.overhead_seconds(method, k) if method else 0.0), b * k)
+
     def overhead_seconds(self, method, k):
         """``method``'s Python overhead of a call handling ``k`` states: ``a_o + b_o k`` (an
         older table's single number: per call)."""
@@ -455,11 +463,12 @@ class CostTable:
 
     def without_orchestration(self):
         """The table of the critical-path bound: every kernel call its per-state work only
-        (``b k``; no per-call ``a``), no Python overhead, no replay cost (``run_tape``); the
-        same network. A run charged from it is MGRIT's dependency chain of steps and messages
-        with zero orchestration cost."""
-        entries = {k: (0.0, b) for k, (a, b) in self.entries.items()
-                   if not k.startswith("run_tape|")}
+        (``b k``; no per-call ``a``), no Python overhead, a replay free but its rows
+        (``run_tape`` 0); the same network. A run charged from it is MGRIT's dependency chain of steps and messages
+        with zero orchestration cost; a cost-only run charges the same to its shadow clock
+        (:mod:`mgnn.comm.virtual`), so one run gives both."""
+        entries = {k: (0.0, 0.0 if k.startswith("run_tape|") else b)
+                   for k, (a, b) in self.entries.items()}  # (still replayed: a free replay)
         return CostTable(entries, {}, self.alpha, self.beta,
                          dict(self.meta, bound="without orchestration"))
 
