@@ -184,10 +184,14 @@ def _timed_step(name, base):
 
 
 def _tape_call(args):
-    """(state shape, rows, adjoint, store sizes) of a ``run_tape`` call's arguments."""
+    """(state shape, rows, adjoint, store sizes) of a ``run_tape`` call's arguments (the sizes
+    only where a COPY row needs them: reading a typed list's items is slow)."""
+    from ..backend import tape as T
     stores, rows, adjoint = args[3], np.asarray(args[4]), bool(args[7])
-    return (tuple(stores[0].shape[1:]), rows, adjoint,
-            [0 if s is None else int(s.shape[0]) for s in stores])
+    sizes = None
+    if np.any(rows[:, T.OP] == T.COPY):
+        sizes = [0 if s is None else int(s.shape[0]) for s in stores]
+    return tuple(stores[0].shape[1:]), rows, adjoint, sizes
 
 
 def _charged_step(name):
@@ -494,8 +498,22 @@ def tape_seconds(table, rows, shape, dtype, adjoint, store_sizes):
     ``vector:correct`` pass, an injection or a copy one ``vector:copy`` pass per store written.
     The replay's own cost (dispatch, per row) is the table's ``run_tape`` entry."""
     from ..backend import tape as T
-    d = "adjoint" if adjoint else "forward"
     rows = np.asarray(rows).reshape(-1, T.COLS)
+    # ranks replay tapes that differ in slots and layers only: price each distinct sequence of
+    # what a row costs once per table
+    what = np.concatenate([rows[:, [T.OP, T.N, T.MODE, T.LEN]],
+                           rows[:, [T.R, T.G, T.SHARE_R, T.CORR_SLOT, T.INJ_SLOT, T.INJ_G]] >= 0],
+                          axis=1)
+    key = (what.tobytes(), tuple(shape), str(dtype), bool(adjoint),
+           None if store_sizes is None else tuple(store_sizes))
+    cache = table.__dict__.setdefault("_tape_prices", {})
+    if key not in cache:
+        cache[key] = _tape_seconds(table, rows, shape, dtype, adjoint, store_sizes, T)
+    return cache[key]
+
+
+def _tape_seconds(table, rows, shape, dtype, adjoint, store_sizes, T):
+    d = "adjoint" if adjoint else "forward"
     op = rows[:, T.OP]
 
     def b(name):

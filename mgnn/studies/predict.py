@@ -474,6 +474,7 @@ class _Stretched(CostTable):
     def __init__(self, table, factor):
         self.__dict__.update(table.__dict__)
         self._base, self._factor = table, factor
+        self._tape_prices = {}  # its own (stretched) prices of captured cycles
 
     def _ab(self, op, shape, dtype, missing):
         a, b = self._base._ab(op, shape, dtype, missing)
