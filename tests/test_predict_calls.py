@@ -200,3 +200,12 @@ def test_the_shadow_clock_runs_the_same_program_with_its_own_charges():
     assert out[0][1] == pytest.approx(out[1][1])  # the barrier ends at the later shadow clock
     with pytest.raises(ValueError, match="shadow must be a finite number"):
         run_virtual(1, lambda comm: comm.charge(1.0, -1.0))
+
+
+def test_a_point_the_calibration_never_called_is_priced_as_a_chain_step():
+    shape, dt = (4, 4), "float32"
+    table = CostTable({CostTable.key("chains_adjoint", shape, dt): (2e-6, 3e-6)})
+    assert table.seconds("points_adjoint:1", shape, dt, 2) == pytest.approx(8e-6)
+    assert any("points_adjoint:1" in s for s in table.inexact)
+    with pytest.raises(KeyError, match="points_forward:0"):  # no forward chains either
+        table.seconds("points_forward:0", shape, dt, 1)

@@ -408,6 +408,10 @@ class CostTable:
                 base = op.split(":")[0] + ":"
                 cands = [c for (o, d), cs in sorted(self._index.items())
                          if d == dtype and o.startswith(base) for c in cs]
+            if not cands and op.startswith("points_"):  # a point is a step and a combination
+                cands = self._index.get(("chains_" + op.split("_")[1].split(":")[0], dtype))
+                if cands:
+                    self.inexact.add(f"{op} priced as a chain step")
             if not cands and missing is not None:
                 return missing, missing
             if not cands:

@@ -142,7 +142,11 @@ def calibrate(cfg, repeats=5, layers=None, log=print):
             # on one rank with a communicator (serial: none), the code path of the predictions
             # and of the measured mpiexec runs: MPI's COMM_SELF where mpi4py is installed (a
             # virtual rank's scheduler would add Python time that real runs do not have)
-            walls, kern, ncall, ksum = _on_one_rank(_timed_steps, method, rm, cfg, x, y, M,
+            # (uncaptured: two cycles each way at least, so that both directions' residual
+            # and FAS points are in the table whatever cycle counts are predicted)
+            c = cfg if method != "mgrit-uncaptured" else dict(
+                cfg, fwd_iters=max(cfg["fwd_iters"], 2), bwd_iters=max(cfg["bwd_iters"], 2))
+            walls, kern, ncall, ksum = _on_one_rank(_timed_steps, method, rm, c, x, y, M,
                                                     rec, repeats)
             i = int(np.argsort(walls)[len(walls) // 2])
             if log:
