@@ -73,7 +73,8 @@ def test_a_replayed_cycle_is_charged_as_the_engine_calls_it_replaces():
 
 def test_tape_rows_are_priced_by_kind():
     rows = np.array([T.blank(T.CHAIN) for _ in range(3)] + [T.blank(T.POINT)]
-                    + [T.blank(T.INJECT), T.blank(T.CORRECT)], dtype=np.int64)
+                    + [T.blank(T.INJECT), T.blank(T.CORRECT), T.blank(T.INJECT),
+                       T.blank(T.COPY)], dtype=np.int64)
     rows[0, T.N], rows[1, T.N], rows[2, T.N] = 3, 2, 1
     rows[1, T.R], rows[1, T.MODE] = 0, 0            # a residual tail
     rows[2, T.SHARE_R], rows[2, T.CORR_SLOT] = 0, 1  # a shared step, a carried correction
@@ -81,15 +82,19 @@ def test_tape_rows_are_priced_by_kind():
     rows[3, T.MODE] = 1                              # a FAS point
     rows[4, T.LEN], rows[4, T.G] = 4, -1             # an injection of 4 states, one store
     rows[5, T.LEN] = 5                               # a correction of 5
+    rows[6, T.LEN], rows[6, T.G] = 2, 1              # an injection of 2 into two stores
+    rows[7, T.R] = 1                                 # a copy of store 1 (3 slots)
     shape, dt = (2, 3), "float32"
     price = {"chains_forward": 1.0, "points_forward:0": 10.0, "points_forward:1": 100.0,
              "vector:copy": 1000.0, "vector:correct": 10000.0}
     table = CostTable({CostTable.key(op, shape, dt): (7.0, p) for op, p in price.items()})
-    got = tape_seconds(table, rows, shape, dt, False, [9])
-    # 6 chain steps, 1 residual, 1 FAS point, 2 + 4 copies, 2 + 5 corrections (a never)
-    assert got == 6 * 1 + 10 + 100 + 6 * 1000 + 7 * 10000
+    got = tape_seconds(table, rows, shape, dt, False, [9, 3])
+    # 6 chain steps, 1 residual, 1 FAS point, 2 + 4 + 4 + 3 copies, 2 + 5 corrections (a never)
+    assert got == 6 * 1 + 10 + 100 + 13 * 1000 + 7 * 10000
+    rows[7, T.R] = 0  # the same rows copying another store: another price, not the cached one
+    assert tape_seconds(table, rows, shape, dt, False, [9, 3]) == got + 6 * 1000
     with pytest.raises(KeyError, match="chains_adjoint"):
-        tape_seconds(table, rows, shape, dt, True, [9])
+        tape_seconds(table, rows, shape, dt, True, [9, 3])
 
 
 def test_the_cost_only_final_sweep_flags_the_rows_the_kernel_keeps():
@@ -198,6 +203,30 @@ def test_the_shadow_clock_runs_the_same_program_with_its_own_charges():
     assert out[1][0] == pytest.approx(3e-3 + a + 1e-3 + a)
     assert out[1][1] == pytest.approx(1e-3 + a + 2e-3 + a)
     assert out[0][1] == pytest.approx(out[1][1])  # the barrier ends at the later shadow clock
+
+    def posted_first(comm):
+        # rank 1 posts its receive first (shadow 5e-3, later than the message's arrival at
+        # 1e-3 + a); rank 0 is last on the real clock, rank 1 on the shadow one
+        r = comm.Get_rank()
+        buf = np.zeros(2)
+        if r == 1:
+            comm.charge(1e-3, 5e-3)
+            req = comm.Irecv(buf, 0, tag=2)
+            while not req.Test():
+                pass
+            after = comm.shadow_clock
+        else:
+            comm.charge(4e-3, 1e-3)
+            comm.Isend(buf, 1, tag=2).Wait()
+            after = comm.shadow_clock
+        comm.Barrier()
+        return after, comm.clock, comm.shadow_clock
+
+    out = run_virtual(2, posted_first, network=Network(alpha=1e-4, beta=1e30))
+    assert out[1][0] == pytest.approx(5e-3)  # posted after the arrival: no shadow wait
+    assert out[0][0] == pytest.approx(1e-3)
+    assert out[0][1] == out[1][1] == pytest.approx(4e-3 + a + a)  # real: rank 0's send
+    assert out[0][2] == out[1][2] == pytest.approx(5e-3 + a)  # shadow: rank 1's clock
     with pytest.raises(ValueError, match="shadow must be a finite number"):
         run_virtual(1, lambda comm: comm.charge(1.0, -1.0))
 
@@ -209,3 +238,30 @@ def test_a_point_the_calibration_never_called_is_priced_as_a_chain_step():
     assert any("points_adjoint:1" in s for s in table.inexact)
     with pytest.raises(KeyError, match="points_forward:0"):  # no forward chains either
         table.seconds("points_forward:0", shape, dt, 1)
+
+
+@GUARD
+def test_the_predicted_step_is_the_steady_state_on_one_and_several_ranks():
+    from mgnn.studies.predict import calibrate
+    cfg = default_config(**CFG)
+    table = calibrate(cfg, repeats=1, layers=16, log=None)
+    model, x, y = build_model(cfg)
+    cm = cost_model(model, table)
+
+    def steps(comm):
+        obj = _trainer("mgrit", cm, comm, cfg)
+        out = []
+        for _ in range(4):
+            comm.Barrier()
+            t0 = comm.clock
+            with np.errstate(all="ignore"):
+                obj.loss_and_grad(x, y)
+            comm.Barrier()
+            out.append(comm.clock - t0)
+        return out
+
+    for P in (1, 2):
+        times = run_virtual(P, steps)[0]
+        assert times[2] == pytest.approx(times[3], rel=1e-12)  # steady from step 3
+        got = predict_point(cfg, table, "mgrit", P, model=(model, x, y))["time"]
+        assert got == pytest.approx(times[3], rel=1e-9), P

@@ -104,10 +104,11 @@ def _zero_outputs(name, args):
     elif name == "chains_forward_derivs":  # flag the rows the real kernel keeps (layer l of
         # the step into slot i is layer0 + i layer_step; row l - d_lo): _linearize then charges
         # the others (deriv_missing) as in the real run
-        chains, layer0, step, d_lo, done = args[3], args[4], args[5], args[8], args[9]
+        chains, layer0, step, D, d_lo, done = (args[3], args[4], args[5], args[7], args[8],
+                                               args[9])
         for first, n in np.asarray(chains).reshape(-1, 2).tolist():
             p = layer0 + np.arange(first, first + n) * step - d_lo
-            done[p[(p >= 0) & (p < done.shape[0])]] = 1
+            done[p[(p >= 0) & (p < D.shape[0])]] = 1
     elif name == "sweep_forward":
         _zero_rows(args[2], 1, args[2].shape[0])
         _zero_rows(args[4], 0, args[4].shape[0])
@@ -317,7 +318,7 @@ def _fit(points):
     ts = np.array([np.median(by_k[k]) for k in sorted(by_k)])
     if len(ks) == 1 or np.ptp(ks) == 0:
         return 0.0, float(ts[0] / max(ks[0], 1.0))
-    w = 1.0 / np.maximum(ts, 1e-12)
+    w = 1.0 / np.maximum(ts, 0.05 * ts.max() + 1e-300)  # (a zero median: no runaway weight)
     b, a = np.polyfit(ks, ts, 1, w=w)
     if a < 0:
         a, b = 0.0, float(np.sum(ks * ts * w * w) / np.sum(ks * ks * w * w))
@@ -508,7 +509,8 @@ def tape_seconds(table, rows, shape, dtype, adjoint, store_sizes):
     what = np.concatenate([rows[:, [T.OP, T.N, T.MODE, T.LEN]],
                            rows[:, [T.R, T.G, T.SHARE_R, T.CORR_SLOT, T.INJ_SLOT, T.INJ_G]] >= 0],
                           axis=1)
-    key = (what.tobytes(), tuple(shape), str(dtype), bool(adjoint),
+    copies = rows[rows[:, T.OP] == T.COPY, T.R]  # (a COPY row's price: its store's size)
+    key = (what.tobytes(), copies.tobytes(), tuple(shape), str(dtype), bool(adjoint),
            None if store_sizes is None else tuple(store_sizes))
     cache = table.__dict__.setdefault("_tape_prices", {})
     if key not in cache:

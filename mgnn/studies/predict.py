@@ -172,7 +172,8 @@ def calibrate(cfg, repeats=5, layers=None, log=print):
                 calibration_layers=layers, calibration_small=small,
                 repeats=repeats, calls=calls, backend=cfg["backend"],
                 numba_threads=_numba_threads())
-    samples = rec.samples + vector_samples(_state_shape(rec.samples), model.dtype)
+    shape = _state_shape(rec.samples)
+    samples = rec.samples + (vector_samples(shape, model.dtype) if shape else [])
     table = CostTable.from_samples(samples, overhead=overhead, meta=meta)
     return with_tape_entries(table, rec.tapes)
 
@@ -210,9 +211,10 @@ def _fit_overhead(points):
 
 
 def _state_shape(samples):
-    """The state shape of the stacked chains in recorded ``samples`` (the largest, level 0)."""
+    """The state shape of the stacked chains in recorded ``samples`` (the largest, level 0;
+    None: no stacked chains were called)."""
     shapes = [s[1] for s in samples if s[0] in ("chains_forward", "run_tape")]
-    return max(shapes, key=math.prod)
+    return max(shapes, key=math.prod) if shapes else None
 
 
 def _timed_steps(comm, method, model, cfg, x, y, M, rec, repeats):
@@ -337,8 +339,12 @@ def _rank_step(comm, method, model, cfg, x, y, micro):
     obj = _trainer(method, model, None if method == "serial" else comm, cfg, micro)
     _build_solvers(obj)  # the steady state: a training run builds them once, before step 1
     if getattr(obj, "fwd", None) is not None or getattr(obj, "bwd", None) is not None:
-        with np.errstate(all="ignore"):  # MGRIT: step 1 captures the cycles, later steps
-            obj.loss_and_grad(x, y)      # replay them (charged as their rows)
+        # MGRIT: step 1 captures the cycles, later steps replay them (charged as their rows);
+        # on one layer rank step 2 merges them into one tape per solve, replayed from step 3
+        one = getattr(getattr(obj, "layout", None), "layer_size", 1) == 1
+        for _ in range(2 if one else 1):
+            with np.errstate(all="ignore"):
+                obj.loss_and_grad(x, y)
     st = comm.stats
     comm.Barrier()
     t0, c0, w0, m0 = comm.clock, st.compute_s, st.wait_s, st.message_s
@@ -348,7 +354,7 @@ def _rank_step(comm, method, model, cfg, x, y, micro):
     comm.Barrier()  # the step ends when the last rank is done (the others wait for it)
     c1, w1, m1 = st.compute_s, st.wait_s, st.message_s
     return {"time": comm.clock - t0, "compute": c1 - c0, "wait": w1 - w0, "message": m1 - m0,
-            "bound": comm.shadow_clock - b0,
+            "bound": comm.shadow_clock - b0, "start": t0,
             "first": obj.layers.start if hasattr(obj, "layers") else None}
 
 
@@ -376,8 +382,9 @@ def predict_point(cfg, table, method, P, micro=1, cores=None, trace=False, model
                           trace=trace, timeout_s=timeout_s, payloads=payloads)
     res = {"time": max(r["time"] for r in out), "bound": max(r["bound"] for r in out),
            "ranks": [{k: r[k] for k in ("compute", "wait", "message")} for r in out]}
-    if trace:
-        res["events"] = [s.events for s in out.stats]
+    if trace:  # the predicted step's events only (not the warm-up steps')
+        res["events"] = [[e for e in s.events if e[1] >= r["start"]]
+                         for s, r in zip(out.stats, out)]
     return res
 
 
