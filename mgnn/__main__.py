@@ -201,6 +201,13 @@ def _bench_parser(sub):
     g.add_argument("--validate", action="store_true",
                    help="predict: also measure the same steps under mpiexec -n P for P <= 8 of "
                         "--ranks and print predicted vs measured (cores = this machine's)")
+    g.add_argument("--plan", action="store_true",
+                   help="predict: search layer x data ranks, cf, levels, cycles and pipeline "
+                        "micro-batches for the fastest predicted step at each P of --ranks, "
+                        "MGRIT within --grad-tol; prints the best and the train command line")
+    g.add_argument("--grad-tol", type=float, default=0.1,
+                   help="predict --plan: the largest relative gradient error of an MGRIT setting "
+                        "(measured on the network at up to 1024 layers; default 0.1)")
     g.add_argument("--threads", type=int, default=1,
                    help="calibrate: Numba threads per rank while measuring (default 1)")
     g = p.add_argument_group("spatial-step (also --layers, --batch-size, --levels, --cf, "

@@ -265,3 +265,42 @@ def test_the_predicted_step_is_the_steady_state_on_one_and_several_ranks():
         assert times[2] == pytest.approx(times[3], rel=1e-12)  # steady from step 3
         got = predict_point(cfg, table, "mgrit", P, model=(model, x, y))["time"]
         assert got == pytest.approx(times[3], rel=1e-9), P
+
+
+@GUARD
+def test_the_planner_picks_the_fastest_setting_within_the_gradient_budget(tmp_path):
+    import json
+    import types
+    from mgnn.studies.predict import calibrate, format_plan, main, plan, train_command
+    cfg = default_config(**dict(CFG, n_layers=16))
+    table = calibrate(cfg, repeats=1, layers=16, log=None)
+    rows, errors = plan(cfg, table, 4, grad_tol=0.05, cycles=((2, 1), (3, 2)), data=(1, 2),
+                        micro=(2,), log=None)
+    assert rows[-1]["method"] == "serial"
+    times = [r["time_s"] for r in rows[:-1]]
+    assert times == sorted(times) and len(rows) >= 3
+    mg = [r for r in rows if r["method"] == "mgrit"]
+    assert mg and all(r["grad_error"] <= 0.05 for r in mg)
+    for r in mg:  # the fewest cycles within the budget
+        fewer = [k for k in errors if k[:2] == (r["cf"], r["levels"]) and k[2] < r["fwd_iters"]]
+        assert all(errors[k] > 0.05 for k in fewer)
+        assert 0 < r["bound_s"] < r["time_s"]
+    # an error of 0 for the exact methods, a real one for MGRIT (not zero: a few cycles)
+    assert all(0 < e < float("inf") for e in errors.values())
+    cmd = train_command(cfg, mg[0])
+    assert cmd.startswith("mpiexec -n 4 python -m mgnn train --model dense --width 8")
+    assert f"--levels {mg[0]['levels']} --cf {mg[0]['cf']}" in cmd
+    assert "P = 4" in format_plan(rows, cfg, 4, 0.05)
+    costs = tmp_path / "c.json"
+    table.save(costs)
+    args = types.SimpleNamespace(
+        suite="predict", model="dense", n_layers=16, width=8, batch=8, levels=3, cf=2,
+        fwd_iters=2, bwd_iters=1, micro="2", ranks="2", out=str(tmp_path / "out"),
+        costs=str(costs), dtype="float32", in_features=None, network="calibrated", cores=None,
+        coarsest="redundant", weak=False, threads=1, channels=None, repeats=1,
+        spatial_levels=None, backend="numba", plan=True, grad_tol=0.05)
+    got = main(args, log=None)
+    doc = json.loads((tmp_path / "out" / "plan.json").read_text())
+    assert doc["rows"][0]["time_s"] == got[0]["time_s"] and doc["grad_tol"] == 0.05
+    with pytest.raises(ValueError, match="--grad-tol must be a number > 0"):
+        main(types.SimpleNamespace(**dict(vars(args), grad_tol=0.0)), log=None)

@@ -49,7 +49,8 @@ def default_config(**kw):
     """The network and MGRIT configuration of a prediction (``bench predict``'s flags)."""
     cfg = dict(model="dense", n_layers=256, width=64, in_features=None, channels=8,
                image_size=28, batch=128, dtype="float32", levels=3, cf=4, fwd_iters=2,
-               bwd_iters=1, coarsest="redundant", micro=(4,), spatial_levels=(), backend="numba")
+               bwd_iters=1, coarsest="redundant", micro=(4,), spatial_levels=(), backend="numba",
+               data_ranks=1)
     unknown = set(kw) - set(cfg)
     if unknown:
         raise ValueError(f"unknown configuration keys {sorted(unknown)}")
@@ -94,11 +95,13 @@ def _trainer(method, model, comm, cfg, micro=1, backend="numba"):
         return LayerParallel(model, threads=None, backend=backend)
     if method == "layerwise":
         return LayerParallel(model, comm=comm, threads=None, backend=backend)
+    d = cfg.get("data_ranks", 1) if comm is not None else 1
     if method == "pipeline":
-        return PipelineParallel(model, comm=comm, micro_batches=micro, backend=backend)
+        return PipelineParallel(model, comm=comm, micro_batches=micro, backend=backend,
+                                data_ranks=d)
     fwd, bwd = mgrit_options(cfg)
     return LayerParallel(model, fwd=fwd, bwd=bwd, comm=comm, threads=None, backend=backend,
-                         coarsest=cfg["coarsest"],
+                         coarsest=cfg["coarsest"], data_ranks=d,
                          spatial_levels=tuple(cfg.get("spatial_levels") or ()), guard=None)
 
 
@@ -820,6 +823,25 @@ def main(args, log=print):
     log(f"predicting {cfg['model']} ({_describe(cfg)}) on {args.network} network "
         f"(alpha {table.alpha * 1e6:.2f} us, beta {table.beta / 1e9:.1f} GB/s), costs {path}"
         + (f", {args.cores} cores shared" if args.cores else ""))
+    if getattr(args, "plan", False):
+        tol = args.grad_tol
+        if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not (
+                math.isfinite(tol) and tol > 0):
+            raise ValueError(f"--grad-tol must be a number > 0, got {tol!r}")
+        out_rows = []
+        errors = None
+        for P in ranks:
+            rows, errors = plan(cfg, table, P, grad_tol=args.grad_tol, cores=args.cores,
+                                log=log, errors=errors)
+            log(format_plan(rows, cfg, P, args.grad_tol))
+            out_rows += rows
+        out = args.out or "results/predict"
+        _write_text(os.path.join(out, "plan.json"), json.dumps(
+            {"config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.items()},
+             "costs": path, "grad_tol": args.grad_tol, "rows": out_rows,
+             "gradient_errors": [list(k) + [v] for k, v in errors.items()]}, indent=1))
+        log(f"wrote {os.path.join(out, 'plan.json')}")
+        return out_rows
     if getattr(args, "validate", False):
         small = [P for P in ranks if P <= 8]
         if not small:
@@ -1037,6 +1059,141 @@ def format_validation_grid(rows):
                      f"{_fmt_time(r['measured_s'])} | {_fmt_time(r['predicted_s'])} | "
                      f"{100 * r['error']:+.1f}% | {_fmt_time(r['bound_s'])} | "
                      f"{r['measured_s'] / r['bound_s']:.2f} |")
+    return "\n".join(lines)
+
+
+# -- the planner: the fastest predicted setting at P ranks -------------------------------------
+
+def gradient_errors(cfg, settings, depth=1024, seed=0):
+    """{(cf, levels, fwd cycles, adjoint cycles): relative error |g - g_exact| / |g_exact| of one
+    MGRIT training step's gradient} of ``cfg``'s network at min(N, ``depth``) layers (the same
+    step size: MGRIT's convergence per cycle depends on h, not on N), inputs N(0, 1), one
+    process. The planner's convergence data: the quantity the gradient guard checks."""
+    from ..comm.threads import configure_threads
+    from ..mgrit import MGRITOptions
+    from ..network import LayerParallel
+    configure_threads(None, 1)
+    N = min(cfg["n_layers"], depth)
+    model, x, y = build_model(cfg, N)
+    model.t_final = model.t_final * N / cfg["n_layers"]  # the full network's step size
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(x.shape).astype(x.dtype)
+    y = rng.integers(0, 10, y.shape[0])
+    _, exact = LayerParallel(model, threads=None, guard=None).loss_and_grad(x, y)
+    g0 = np.concatenate([np.ravel(v) for v in _leaves(exact)])
+    out = {}
+    for cf, L, f, b in settings:
+        opts = [MGRITOptions(cf=cf, max_levels=L, nrelax=[0, 1], tol=0.0, max_iter=c,
+                             skip_downcycle=True, warn_not_converged=False) for c in (f, b)]
+        with np.errstate(all="ignore"):
+            _, g = LayerParallel(model, *opts, threads=None, guard=None).loss_and_grad(x, y)
+        g = np.concatenate([np.ravel(v) for v in _leaves(g)])
+        err = float(np.linalg.norm(g - g0) / max(np.linalg.norm(g0), 1e-300))
+        out[(cf, L, f, b)] = err if math.isfinite(err) else math.inf
+    return out
+
+
+def _leaves(tree):
+    if isinstance(tree, dict):
+        for v in tree.values():
+            yield from _leaves(v)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            yield from _leaves(v)
+    else:
+        yield np.asarray(tree)
+
+
+def plan(cfg, table, P, grad_tol=0.1, cfs=(2, 4), cycles=((2, 1), (3, 2), (4, 3)),
+         data=(1, 2, 4), micro=(4, 16, 64), top=5, cores=None, log=print, errors=None):
+    """The fastest predicted training steps of ``cfg``'s network on P ranks: MGRIT over layer
+    ranks x data replicas (``data``), cf (``cfs``), every level count the layers allow and the
+    fewest cycles (``cycles``) whose gradient error (:func:`gradient_errors`) is within
+    ``grad_tol``; the pipeline over ``micro`` x ``data`` (exact gradients); serial and layer-wise
+    for reference. Returns (rows sorted by predicted time, the gradient errors)."""
+    from ..mgrit import level_sizes
+    N, B = cfg["n_layers"], cfg["batch"]
+    if errors is None:
+        settings = [(cf, L, f, b) for cf in cfs
+                    for L in range(2, len(level_sizes(N, cf, 99, 2)) + 1) for f, b in cycles]
+        if log:
+            log(f"  gradient errors of {len(settings)} MGRIT settings at "
+                f"{min(N, 1024)} layers ...")
+        errors = gradient_errors(cfg, settings)
+    model = build_model(cfg)
+    rows = [dict(method="serial", ranks=1, data=1, time_s=_point(cfg, table, "serial", 1, 1,
+                                                                   cores, model)["time"])]
+    for d in data:
+        if P % d or B % d or P // d < 1:
+            continue
+        Pl, c = P // d, dict(cfg, data_ranks=d)
+        for M in micro:
+            if M <= B // d and 1 < Pl <= N:
+                r = _point(c, table, "pipeline", P, M, cores, model)
+                rows.append(dict(method="pipeline", ranks=P, data=d, micro=M, time_s=r["time"],
+                                 grad_error=0.0))
+        for cf in cfs:
+            if Pl > -(-N // cf):
+                continue
+            for L in range(2, len(level_sizes(N, cf, 99, 2)) + 1):
+                ok = [(f, b) for f, b in cycles if errors.get((cf, L, f, b), math.inf) <= grad_tol]
+                if not ok:
+                    continue
+                f, b = ok[0]
+                m = dict(c, cf=cf, levels=L, fwd_iters=f, bwd_iters=b)
+                r = _point(m, table, "mgrit", P, 1, cores, model)
+                rows.append(dict(method="mgrit", ranks=P, data=d, cf=cf, levels=L, fwd_iters=f,
+                                 bwd_iters=b, time_s=r["time"], bound_s=r["bound"],
+                                 grad_error=errors[(cf, L, f, b)]))
+                if log:
+                    log(f"  mgrit P={P} ({Pl} layer x {d} data ranks) cf {cf} {L} levels "
+                        f"{f}/{b} cycles: {_fmt_time(r['time'])} (bound "
+                        f"{_fmt_time(r['bound'])}, gradient error {errors[(cf, L, f, b)]:.1e})")
+    t1 = rows[0]["time_s"]
+    for r in rows:
+        r["speedup"] = t1 / r["time_s"]
+    best = sorted(rows[1:], key=lambda r: r["time_s"])
+    return best[:top] + [rows[0]], errors
+
+
+def train_command(cfg, row):
+    """The ``mpiexec ... python -m mgnn train`` line of a planned row."""
+    net = (f"--model dense --width {cfg['width']}" if cfg["model"] == "dense" else
+           f"--model conv --channels {cfg['channels']}")
+    head = (f"mpiexec -n {row['ranks']} python -m mgnn train {net} --layers {cfg['n_layers']} "
+            f"--batch-size {cfg['batch']} --dtype {cfg['dtype']}")
+    if row["method"] == "mgrit":
+        return (f"{head} --layer-ranks {row['ranks'] // row['data']} --data-ranks {row['data']} "
+                f"--levels {row['levels']} --cf {row['cf']} --fwd-iters {row['fwd_iters']} "
+                f"--bwd-iters {row['bwd_iters']} --skip-downcycle")
+    if row["method"] == "pipeline":
+        return (f"(train has no pipeline mode: mgnn.studies.pipeline.PipelineParallel(model, comm, "
+                f"micro_batches={row['micro']}, data_ranks={row['data']}) on {row['ranks']} "
+                f"ranks)")
+    return head.replace(f"mpiexec -n {row['ranks']} ", "")
+
+
+def format_plan(rows, cfg, P, grad_tol):
+    lines = [f"plan for P = {P} ({_describe(cfg)}; gradient error <= {grad_tol:g}):",
+             f"{'#':>2} {'method':<9}{'layer x data':>13}{'setting':>28}{'time/step':>12}"
+             f"{'speedup':>9}{'bound':>12}{'grad err':>10}"]
+    for i, r in enumerate(rows):
+        if r["method"] == "mgrit":
+            what = f"cf {r['cf']}, {r['levels']} levels, {r['fwd_iters']}/{r['bwd_iters']}"
+        elif r["method"] == "pipeline":
+            what = f"M = {r['micro']}"
+        else:
+            what = ""
+        split = f"{r['ranks'] // r['data']} x {r['data']}"
+        lines.append(f"{i + 1:>2} {r['method']:<9}{split:>13}{what:>28}{_fmt_time(r['time_s']):>12}"
+                     f"{r['speedup']:>8.2f}x{_fmt_time(r['bound_s']) if 'bound_s' in r else '':>12}"
+                     f"{r.get('grad_error', 0.0):>10.1e}")
+    best = next((r for r in rows if r["method"] == "mgrit"), None)
+    lines.append("run the best:")
+    lines.append("  " + train_command(cfg, rows[0]))
+    if best is not None and best is not rows[0]:
+        lines.append("the best MGRIT setting:")
+        lines.append("  " + train_command(cfg, best))
     return "\n".join(lines)
 
 
