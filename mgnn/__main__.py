@@ -207,7 +207,7 @@ def _bench_parser(sub):
                         "MGRIT within --grad-tol; prints the best and the train command line")
     g.add_argument("--grad-tol", type=float, default=0.1,
                    help="predict --plan: the largest relative gradient error of an MGRIT setting "
-                        "(measured on the network at up to 1024 layers; default 0.1)")
+                        "(one exact and one MGRIT step of the network per setting; default 0.1)")
     g.add_argument("--threads", type=int, default=1,
                    help="calibrate: Numba threads per rank while measuring (default 1)")
     g = p.add_argument_group("spatial-step (also --layers, --batch-size, --levels, --cf, "
