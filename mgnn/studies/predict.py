@@ -1066,12 +1066,18 @@ def format_validation_grid(rows):
 
 def gradient_errors(cfg, settings, depth=None, seed=0):
     """{(cf, levels, fwd cycles, adjoint cycles): relative error |g - g_exact| / |g_exact| of one
-    MGRIT training step's gradient} of ``cfg``'s network, inputs N(0, 1), one process, cycles
-    uncaptured. The planner's convergence data: the quantity the gradient guard checks.
-    ``depth``: a shallower network with the same step size (None: the network itself). A
-    shallower one cannot stand in for deep hierarchies: its coarsest level is smaller and solved
-    exactly (at N = 16384, cf 4, 6 levels, 2/1 cycles the error is 1.0e-1; at 1024 layers with
-    the same h and level count, 1.1e-2)."""
+    MGRIT training step's gradient} of ``cfg``'s network, inputs N(0, 1), cycles uncaptured.
+    The planner's convergence data: the quantity the gradient guard checks. Each setting runs
+    in a fresh process (a deep network's stores take GBs, and this process's heap would keep
+    them). ``depth``: a shallower network with the same step size (None: the network itself).
+    A shallower one cannot stand in for deep hierarchies: its coarsest level is smaller and
+    solved exactly (at N = 16384, cf 4, 6 levels, 2/1 cycles the error is 1.0e-1; at 1024
+    layers with the same h and level count, 1.1e-2)."""
+    return {tuple(s): _in_child(_gradient_error, cfg, tuple(s), depth, seed) for s in settings}
+
+
+def _gradient_error(cfg, setting, depth, seed):
+    """:func:`gradient_errors` of one setting, in this process."""
     from ..comm.threads import configure_threads
     from ..mgrit import MGRITOptions
     from ..network import LayerParallel
@@ -1084,17 +1090,15 @@ def gradient_errors(cfg, settings, depth=None, seed=0):
     y = rng.integers(0, 10, y.shape[0])
     _, exact = LayerParallel(model, threads=None, guard=None).loss_and_grad(x, y)
     g0 = np.concatenate([np.ravel(v) for v in _leaves(exact)])
-    out = {}
-    for cf, L, f, b in settings:
-        opts = [MGRITOptions(cf=cf, max_levels=L, nrelax=[0, 1], tol=0.0, max_iter=c,
-                             skip_downcycle=True, warn_not_converged=False) for c in (f, b)]
-        with np.errstate(all="ignore"):  # (one step: a capture would not pay off)
-            _, g = LayerParallel(model, *opts, threads=None, guard=None,
-                                 capture=False).loss_and_grad(x, y)
-        g = np.concatenate([np.ravel(v) for v in _leaves(g)])
-        err = float(np.linalg.norm(g - g0) / max(np.linalg.norm(g0), 1e-300))
-        out[(cf, L, f, b)] = err if math.isfinite(err) else math.inf
-    return out
+    cf, L, f, b = setting
+    opts = [MGRITOptions(cf=cf, max_levels=L, nrelax=[0, 1], tol=0.0, max_iter=c,
+                         skip_downcycle=True, warn_not_converged=False) for c in (f, b)]
+    with np.errstate(all="ignore"):  # (one step: a capture would not pay off)
+        _, g = LayerParallel(model, *opts, threads=None, guard=None,
+                             capture=False).loss_and_grad(x, y)
+    g = np.concatenate([np.ravel(v) for v in _leaves(g)])
+    err = float(np.linalg.norm(g - g0) / max(np.linalg.norm(g0), 1e-300))
+    return err if math.isfinite(err) else math.inf
 
 
 def _leaves(tree):
