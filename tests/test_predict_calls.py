@@ -304,3 +304,14 @@ def test_the_planner_picks_the_fastest_setting_within_the_gradient_budget(tmp_pa
     assert doc["rows"][0]["time_s"] == got[0]["time_s"] and doc["grad_tol"] == 0.05
     with pytest.raises(ValueError, match="--grad-tol must be a number > 0"):
         main(types.SimpleNamespace(**dict(vars(args), grad_tol=0.0)), log=None)
+
+
+@GUARD
+def test_data_replicas_predict_their_shards():
+    from mgnn.studies.predict import calibrate
+    cfg = default_config(**dict(CFG, batch=16))
+    table = calibrate(cfg, repeats=1, layers=16, log=None)
+    one = predict_point(cfg, table, "layerwise", 2)
+    two = predict_point(dict(cfg, data_ranks=2), table, "layerwise", 4)
+    # two replicas of the same 2 layer ranks, each on half the batch: less compute per rank
+    assert max(r["compute"] for r in two["ranks"]) < 0.8 * max(r["compute"] for r in one["ranks"])

@@ -340,6 +340,10 @@ def measure_network(log=print, timeout=120):
 
 def _rank_step(comm, method, model, cfg, x, y, micro):
     obj = _trainer(method, model, None if method == "serial" else comm, cfg, micro)
+    lay = getattr(obj, "layout", None)
+    if lay is not None and lay.data_ranks > 1:  # each replica passes its own shard
+        n = x.shape[0] // lay.data_ranks
+        x, y = x[lay.replica * n:(lay.replica + 1) * n], y[lay.replica * n:(lay.replica + 1) * n]
     _build_solvers(obj)  # the steady state: a training run builds them once, before step 1
     if getattr(obj, "fwd", None) is not None or getattr(obj, "bwd", None) is not None:
         # MGRIT: step 1 captures the cycles, later steps replay them (charged as their rows);
