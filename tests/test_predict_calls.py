@@ -310,8 +310,17 @@ def test_the_planner_picks_the_fastest_setting_within_the_gradient_budget(tmp_pa
 def test_data_replicas_predict_their_shards():
     from mgnn.studies.predict import calibrate
     cfg = default_config(**dict(CFG, batch=16))
-    table = calibrate(cfg, repeats=1, layers=16, log=None)
+    # every call costs its states' elements (no per-call part, no overhead): the same numbers
+    # on every machine
+    import json
+    import math
+    keys = calibrate(cfg, repeats=1, layers=16, log=None).entries
+    table = CostTable({k: (0.0, 1e-9 * math.prod(json.loads(k.split("|")[1]))) for k in keys},
+                      alpha=1e-6, beta=1e9)
     one = predict_point(cfg, table, "layerwise", 2)
     two = predict_point(dict(cfg, data_ranks=2), table, "layerwise", 4)
-    # two replicas of the same 2 layer ranks, each on half the batch: less compute per rank
-    assert max(r["compute"] for r in two["ranks"]) < 0.8 * max(r["compute"] for r in one["ranks"])
+    # two replicas of the same 2 layer ranks, each on half the batch (8 of 16 samples)
+    ratio = max(r["compute"] for r in two["ranks"]) / max(r["compute"] for r in one["ranks"])
+    # (0.55 here: a few charges do not scale with the batch; every rank on the whole batch,
+    # before replicas got their shards, gave 1.0)
+    assert 0.45 < ratio < 0.6
