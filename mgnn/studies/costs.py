@@ -23,6 +23,7 @@ import time
 
 import numpy as np
 
+from ..backend import tape as T
 from ..comm.virtual import charge
 
 __all__ = ["CostTable", "Recorder", "cost_model", "recording_model", "tape_seconds",
@@ -187,7 +188,6 @@ def _timed_step(name, base):
 def _tape_call(args):
     """(state shape, rows, adjoint, store sizes) of a ``run_tape`` call's arguments (the sizes
     only where a COPY row needs them: reading a typed list's items is slow)."""
-    from ..backend import tape as T
     stores, rows, adjoint = args[3], np.asarray(args[4]), bool(args[7])
     sizes = None
     if np.any(rows[:, T.OP] == T.COPY):
@@ -356,6 +356,7 @@ class CostTable:
             op, shape, dtype = key.split("|")
             self._index.setdefault((op, dtype), []).append((json.loads(shape), ab))
         self._cache = {}
+        self._tape_prices = {}  # :func:`tape_seconds` of captured cycles, by what rows cost
 
     @staticmethod
     def key(op, shape, dtype):
@@ -373,13 +374,12 @@ class CostTable:
         (for a shape not measured: the entry of the same op with the nearest number of elements,
         b scaled by the ratio of elements), plus ``method``'s overhead. ``missing``: the
         ``a + b k`` of an op the table lacks (None: KeyError)."""
-        a, b = self._ab(op, tuple(shape), dtype, missing)
-        return a + b * k + (self.overhead_seconds(method, k) if method else 0.0)
+        return self.charges(op, shape, dtype, k, method, missing)[0]
 
-    def charges(self, op, shape, dtype, k, method=None):
+    def charges(self, op, shape, dtype, k, method=None, missing=None):
         """(:meth:`seconds`, the bound's part ``b k``: the call's work without its per-call
         ``a`` and the Python overhead; see :meth:`without_orchestration`)."""
-        a, b = self._ab(op, tuple(shape), dtype, None)
+        a, b = self._ab(op, tuple(shape), dtype, missing)
         return (a + b * k + (self.overhead_seconds(method, k) if method else 0.0), b * k)
 
     def overhead_seconds(self, method, k):
@@ -502,7 +502,6 @@ def tape_seconds(table, rows, shape, dtype, adjoint, store_sizes):
     chain's tail ``points_*:MODE``, a shared coarse step and a correction one
     ``vector:correct`` pass, an injection or a copy one ``vector:copy`` pass per store written.
     The replay's own cost (dispatch, per row) is the table's ``run_tape`` entry."""
-    from ..backend import tape as T
     rows = np.asarray(rows).reshape(-1, T.COLS)
     # ranks replay tapes that differ in slots and layers only: price each distinct sequence of
     # what a row costs once per table
@@ -512,13 +511,13 @@ def tape_seconds(table, rows, shape, dtype, adjoint, store_sizes):
     copies = rows[rows[:, T.OP] == T.COPY, T.R]  # (a COPY row's price: its store's size)
     key = (what.tobytes(), copies.tobytes(), tuple(shape), str(dtype), bool(adjoint),
            None if store_sizes is None else tuple(store_sizes))
-    cache = table.__dict__.setdefault("_tape_prices", {})
+    cache = table._tape_prices
     if key not in cache:
-        cache[key] = _tape_seconds(table, rows, shape, dtype, adjoint, store_sizes, T)
+        cache[key] = _tape_seconds(table, rows, shape, dtype, adjoint, store_sizes)
     return cache[key]
 
 
-def _tape_seconds(table, rows, shape, dtype, adjoint, store_sizes, T):
+def _tape_seconds(table, rows, shape, dtype, adjoint, store_sizes):
     d = "adjoint" if adjoint else "forward"
     op = rows[:, T.OP]
 

@@ -315,12 +315,18 @@ def alpha_beta(comm, sizes=(8, 1024, 8192, 65536, 524288), reps=200):
     return comm.bcast((alpha, float(beta)), root=0)
 
 
+def _mpiexec():
+    """The ``mpiexec`` beside this Python (the ``mpich`` wheel's), else the one on PATH;
+    None when there is none."""
+    import shutil
+    return shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep +
+                        os.environ.get("PATH", ""))
+
+
 def measure_network(log=print, timeout=120):
     """(alpha, beta, how) of the local MPI: ``mpiexec -n 2`` ping-pong in a subprocess, or the
     'shared' preset (with the reason) when MPI is not available."""
-    import shutil
-    exe = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep +
-                       os.environ.get("PATH", ""))
+    exe = _mpiexec()
     if exe is None:
         n = NETWORKS["shared"]
         return n["alpha"], n["beta"], "preset 'shared' (no mpiexec found)"
@@ -498,11 +504,8 @@ class _Stretched(CostTable):
         a, b = self._base._ab(op, shape, dtype, missing)
         return self._factor * a, self._factor * b
 
-    def seconds(self, op, shape, dtype, k, method=None, missing=None):
-        return self._factor * self._base.seconds(op, shape, dtype, k, method, missing)
-
-    def charges(self, op, shape, dtype, k, method=None):
-        full, bound = self._base.charges(op, shape, dtype, k, method)
+    def charges(self, op, shape, dtype, k, method=None, missing=None):
+        full, bound = self._base.charges(op, shape, dtype, k, method, missing)
         return self._factor * full, self._factor * bound
 
 
@@ -990,9 +993,7 @@ def validate(cfg, table, ranks=(1, 2, 4), repeats=5, log=print, timeout=900):
 def _measure(cfg, P, repeats, timeout, methods=None):
     """{label: measured seconds per step} of ``mpiexec -n P python -m mgnn.studies.predict
     measure`` (one thread per rank, as the calibration)."""
-    import shutil
-    exe = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep +
-                       os.environ.get("PATH", ""))
+    exe = _mpiexec()
     if exe is None:
         raise ValueError("bench predict --validate needs mpiexec (pip install 'mgnn[mpi]')")
     env = dict(os.environ, NUMBA_NUM_THREADS="1", OMP_NUM_THREADS="1",
@@ -1092,28 +1093,16 @@ def _gradient_error(cfg, setting, depth, seed):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal(x.shape).astype(x.dtype)
     y = rng.integers(0, 10, y.shape[0])
-    _, exact = LayerParallel(model, threads=None, guard=None).loss_and_grad(x, y)
-    g0 = np.concatenate([np.ravel(v) for v in _leaves(exact)])
+    front = LayerParallel(model, threads=None, guard=None)
+    _, exact = front.loss_and_grad(x, y)
     cf, L, f, b = setting
     opts = [MGRITOptions(cf=cf, max_levels=L, nrelax=[0, 1], tol=0.0, max_iter=c,
                          skip_downcycle=True, warn_not_converged=False) for c in (f, b)]
     with np.errstate(all="ignore"):  # (one step: a capture would not pay off)
         _, g = LayerParallel(model, *opts, threads=None, guard=None,
                              capture=False).loss_and_grad(x, y)
-    g = np.concatenate([np.ravel(v) for v in _leaves(g)])
-    err = float(np.linalg.norm(g - g0) / max(np.linalg.norm(g0), 1e-300))
+        err = front._compare(g, exact)[0]
     return err if math.isfinite(err) else math.inf
-
-
-def _leaves(tree):
-    if isinstance(tree, dict):
-        for v in tree.values():
-            yield from _leaves(v)
-    elif isinstance(tree, (list, tuple)):
-        for v in tree:
-            yield from _leaves(v)
-    else:
-        yield np.asarray(tree)
 
 
 def plan(cfg, table, P, grad_tol=0.1, cfs=(2, 4), cycles=((2, 1), (3, 2), (4, 3)),

@@ -568,10 +568,9 @@ def _spatial(text, model):
 
 def _relaunch(args, n, log):
     """Run this study under ``mpiexec -n n`` (when started without MPI)."""
-    import shutil
     import subprocess
-    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or \
-        shutil.which("mpiexec")
+    from .predict import _mpiexec
+    mpiexec = _mpiexec()
     if mpiexec is None:
         raise ValueError("mpiexec not found (pip install 'mgnn[mpi]')")
     env = dict(os.environ, NUMBA_NUM_THREADS="1", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
