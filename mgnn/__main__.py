@@ -68,7 +68,11 @@ def _train_parser(sub):
            "cuda-emulated (the GPU kernels compiled for the CPU: slow, for checking)")
     a("--seed", type=int, default=0, help="seeds the initial parameters and the shuffling")
     g = p.add_argument_group("MGRIT (layer-parallel propagation; --levels 1 = layer by layer)")
-    g.add_argument("--levels", type=int, default=1, help="MGRIT max levels (default 1: serial)")
+    g.add_argument("--levels", type=_levels_arg, default=1,
+                   help="MGRIT max levels (default 1: serial), or auto: the level count with "
+                        "the shortest critical path for these layer ranks, from this machine's "
+                        "step and message times (coarsening stops where the redundant coarsest "
+                        "solve is cheaper than another level)")
     g.add_argument("--cf", type=int, default=4, help="coarsening factor (default 4)")
     g.add_argument("--nrelax", default="0,1",
                    help="(C,F) sweeps after the first F per level, comma list, last repeats; "
@@ -254,7 +258,7 @@ def _check_args(args, parser):
         flag, v = (action.option_strings or [action.dest])[0], getattr(args, action.dest, None)
         if v is None:
             continue
-        if action.dest in _INT_BOUNDS:
+        if action.dest in _INT_BOUNDS and v != "auto":
             lo, hi = _INT_BOUNDS[action.dest]
             if v < lo or (hi is not None and v > hi):
                 bound = f">= {lo}" if v < lo else f"<= {hi}"
@@ -294,6 +298,16 @@ def _spatial_levels(args):
     if args.model != "conv":
         raise ValueError(f"--spatial-levels {text} needs --model conv, got --model {args.model}")
     return levels
+
+
+def _levels_arg(text):
+    """--levels: an int, or 'auto'."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an int or 'auto', got {text!r}") from None
 
 
 def _nrelax(args):
@@ -344,7 +358,7 @@ def _default_seq_len(args):
 
 def _check_layer_ranks(args, layer_ranks):
     """Every layer rank must own a layer that starts a coarse interval (said in layers/ranks)."""
-    align = args.cf if args.levels > 1 else 1
+    align = args.cf if args.levels != 1 else 1  # (auto: possibly several levels)
     most = -(-args.layers // align)
     if layer_ranks > most:
         why = f" with --cf {args.cf}" if align > 1 else ""
@@ -474,9 +488,10 @@ def _message(exc):
 
 
 def _mgrit_options(args):
-    """(fwd, bwd) MGRITOptions from the CLI, or (None, None) for --levels 1."""
+    """(fwd, bwd) MGRITOptions from the CLI, or (None, None) for --levels 1 (and for --levels
+    auto until :func:`_auto_levels` has chosen)."""
     from .mgrit import MGRITOptions
-    if args.levels == 1:
+    if args.levels in (1, "auto"):
         return None, None
     common = dict(cf=args.cf, max_levels=args.levels, nrelax=_nrelax(args),
                   skip_downcycle=args.skip_downcycle, min_coarse=args.min_coarse,
@@ -493,6 +508,68 @@ def _mgrit_options(args):
             raise ValueError(f"{flag} {tol}: {exc}") from None
         out.append(opts)
     return tuple(out)
+
+
+def _step_seconds(args, model, x):
+    """(seconds of one forward step of the batch ``x``, seconds of one of a single sample: a
+    call's overhead) on this rank, with ``args.backend``; the model's buffers and step count
+    are left as they were. CPU backends only."""
+    from .backend import get_backend
+    from .propagators import ForwardPropagator
+    if args.backend not in ("numpy", "numba"):
+        raise ValueError(f"--levels auto times steps on the CPU backends (numba, numpy), not "
+                         f"--backend {args.backend}: give --levels N (python -m mgnn bench "
+                         "predict --plan picks one)")
+    bk = get_backend(args.backend)
+    kept = model.buffers.flat.copy(), model.train_steps
+    prop = ForwardPropagator(model, bk)
+
+    def timed(xb):
+        u, _ = model.opening.forward(model.group("opening"), xb, bk)
+        prop.step(u, 0, 1, 0)  # (compiles, or loads the cache)
+        reps, t0 = 0, time.perf_counter()
+        while reps < 5 or time.perf_counter() - t0 < 0.05:
+            prop.step(u, 0, 1, 0)
+            reps += 1
+        return (time.perf_counter() - t0) / reps
+
+    try:
+        return timed(x), timed(x[:1])
+    finally:
+        model.buffers.flat[...], model.train_steps = kept
+
+
+def _auto_levels(args, model, x, comm, layer_ranks, log):
+    """--levels auto: the level count of :func:`mgnn.mgrit.hierarchy.auto_levels` for
+    ``layer_ranks``, from this machine's forward step (batch ``x``), a call's overhead and a
+    message of a state (ping-pong between ranks 0 and 1); the same on every rank (the slowest
+    rank's times). Collective under MPI."""
+    from .mgrit.hierarchy import auto_levels
+    if layer_ranks == 1:
+        log("--levels auto: 1 (one layer rank: layer by layer is the shortest path)")
+        return 1
+    t_step, t_call = _agreed(comm, _step_seconds, args, model, x)
+    state = np.zeros(int(np.prod(model.step.state_shape(x.shape[0]))), model.dtype)
+    recv = np.empty_like(state)
+    from mpi4py import MPI
+    from .comm.halo import ping_pong
+    comm.Barrier()
+    ping_pong(comm, state, recv, 3)  # (warm)
+    t_msg = ping_pong(comm, state, recv, 20)
+    times = np.array([t_step, t_call, t_msg])
+    comm.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
+    t_step, t_call, t_msg = times.tolist()
+    message_steps = (t_msg + t_call) / max(t_step, 1e-12)
+    nrelax = _nrelax(args)
+    levels, costs = auto_levels(
+        args.layers, args.cf, layer_ranks, (args.fwd_iters, args.bwd_iters),
+        lambda lev: nrelax[min(lev, len(nrelax) - 1)], args.skip_downcycle, args.min_coarse,
+        message_steps, coarsest=args.coarsest)
+    log(f"--levels auto: {levels} (critical path in forward steps per level count: "
+        + ", ".join(f"{L}: {c:.0f}" for L, c in costs.items())
+        + f"; a step {1e6 * t_step:.1f} us, a message and call {1e6 * (t_msg + t_call):.1f} us,"
+        f" {layer_ranks} layer ranks)")
+    return levels
 
 
 def _mpi_size_from_env():
@@ -583,6 +660,10 @@ def cmd_train(args, comm=None):
     (fwd, bwd), ds, model, ckpt = _agreed(comm, prepare)
     xtr = ds.as_model_input(ds.x_train, args.model, model.dtype, seq_len=args.layers)
     xte = ds.as_model_input(ds.x_test, args.model, model.dtype, seq_len=args.layers)
+    if args.levels == "auto":
+        args.levels = _auto_levels(args, model, xtr[:args.batch_size // args.data_ranks], comm,
+                                   layer_ranks, log)
+        fwd, bwd = _agreed(comm, _mgrit_options, args)
     if args.backend == "cuda" and comm is not None:
         from .backend import gpu_available
         if gpu_available():  # else LayerParallel reports the missing GPU on every rank

@@ -86,6 +86,15 @@ def test_unknown_flag_shows_the_train_usage(capsys):
     assert "usage: python -m mgnn train" in err and "--bogus-flag" in err
 
 
+def test_levels_takes_an_int_or_auto(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(_cli("--levels", "many"))
+    assert e.value.code == 2
+    assert "--levels: must be an int or 'auto', got 'many'" in capsys.readouterr().err
+    assert parse_args(_cli("--levels", "auto")).levels == "auto"
+    assert parse_args(_cli("--levels", "3")).levels == 3
+
+
 def test_layer_ranks_message_uses_layers_and_ranks():
     args = parse_args(_cli("--layers", "8", "--levels", "2", "--cf", "4"))
     _check_layer_ranks(args, 2)  # blocks start at layers 0 and 4: two ranks hold layers

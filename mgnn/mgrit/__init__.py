@@ -2,8 +2,8 @@
 
 Never imports :mod:`mgnn.blocks`: networks plug in through the propagator protocol.
 """
-from .hierarchy import (cycle_critical_path, cycle_work, intervals, level_sizes,
-                        solve_critical_path)
+from .hierarchy import (auto_levels, chain_critical_path, cycle_critical_path, cycle_work,
+                        intervals, level_sizes, solve_critical_path)
 from .options import MGRITOptions
 from .solver import (DivergenceError, MGRITResult, MGRITSolver, NotConvergedWarning,
                      hierarchy)
@@ -11,4 +11,4 @@ from .solver import (DivergenceError, MGRITResult, MGRITSolver, NotConvergedWarn
 __all__ = ["MGRITOptions", "MGRITSolver", "MGRITResult", "DivergenceError",
            "NotConvergedWarning", "level_sizes",
            "intervals", "cycle_work", "hierarchy", "cycle_critical_path",
-           "solve_critical_path"]
+           "solve_critical_path", "chain_critical_path", "auto_levels"]

@@ -162,3 +162,122 @@ def solve_critical_path(sizes, nrelax, ranks, cycles, skip=False, level_cost=Non
         steps, msgs = steps + s, msgs + m
     p = min(ranks, sizes[0] + 1)
     return steps + cost[0] * (sizes[0] - sizes[1]) / p, msgs + (1 if p > 1 else 0)
+
+
+def _cycle_sweeps(n_levels, nrelax, skip):
+    """The sweeps of one V-cycle in order, as (level, kind): 'F' (the level's F-intervals),
+    'C' (its C-points), 'all' (one step out of every point: the coarse FAS right-hand side);
+    the structure :func:`cycle_critical_path` charges."""
+    for lev in range(n_levels - 1):
+        if not skip:
+            for _ in range(nrelax(lev)):
+                yield lev, "F"
+                yield lev, "C"
+            yield lev, "F"
+            yield lev, "C"
+            yield lev + 1, "all"
+        if lev + 1 < n_levels - 1:
+            yield lev + 1, "F"
+
+
+def _sweep_chain(sizes, lev, kind, ranks):
+    """(steps, messages) on the critical path of one sweep of ``kind`` on level ``lev`` over
+    ``ranks`` layer ranks whose blocks hold consecutive points: a rank's own steps, and an
+    F-interval that spans several ranks as the sequential chain it is (cf - 1 steps, a hand-off
+    at each rank boundary)."""
+    n = sizes[lev]
+    p = min(ranks, n + 1)
+    msgs = 1 if p > 1 else 0
+    if kind == "all":
+        return math.ceil(n / p), msgs
+    nc = sizes[lev + 1]
+    if kind == "C":
+        return math.ceil(nc / min(p, nc + 1)), msgs
+    cf = max(n // max(nc, 1), 2)
+    per_rank = n / p  # points a rank holds
+    if per_rank >= cf:  # whole intervals on every rank: its own chains after one message
+        return math.ceil(nc / p) * (cf - 1), msgs
+    return cf - 1, math.ceil(cf / max(per_rank, 1.0))
+
+
+def chain_critical_path(sizes, nrelax, ranks, cycles, skip=False, coarsest="redundant"):
+    """(steps, messages) on the critical path of a whole solve, chain by chain.
+
+    Like :func:`solve_critical_path`, but each sweep costs what its longest chain does: a rank
+    holding whole F-intervals steps ``ceil(intervals / ranks) (cf - 1)`` times after one
+    message; where a coarse level's interval spans ranks it is a chain of ``cf - 1`` steps
+    with a hand-off at each boundary (it does not shrink with more ranks). The coarsest level:
+    ``'redundant'`` (every rank solves it after an allgather: ``ceil(log2 P)`` messages) or
+    ``'sequential'`` (its P_c ranks in turn). One level: the layer-by-layer hand-off.
+    """
+    if coarsest not in ("redundant", "sequential"):
+        raise ValueError(f"coarsest must be 'redundant' or 'sequential', got {coarsest!r}")
+    L = len(sizes)
+    if L == 1:
+        return float(sizes[0]), float(min(ranks, sizes[0] + 1) - 1)
+    pc = min(ranks, sizes[-1] + 1)
+    coarse_msgs = (math.ceil(math.log2(pc)) if pc > 1 else 0) if coarsest == "redundant" \
+        else pc - 1
+    steps = msgs = 0.0
+    for k in range(cycles):
+        for lev, kind in _cycle_sweeps(L, nrelax, skip and k == 0):
+            s, m = _sweep_chain(sizes, lev, kind, ranks)
+            steps, msgs = steps + s, msgs + m
+        steps, msgs = steps + sizes[-1], msgs + coarse_msgs
+    s, m = _sweep_chain(sizes, 0, "F", ranks)  # the final F-relaxation
+    return steps + s, msgs + m
+
+
+def auto_levels(n_steps, cf, ranks, cycles=(2, 1), nrelax=lambda level: 1, skip=False,
+                min_coarse=2, message_steps=1.0, adjoint_steps=2.0, coarsest="redundant",
+                max_levels=64, slack=0.05):
+    """The MGRIT level count whose forward and adjoint solves have the shortest critical path.
+
+    Coarsening stops where the redundant coarsest solve is cheaper than another level's sweeps
+    and messages (:func:`chain_critical_path`): ``steps_fwd + adjoint_steps steps_adj +
+    message_steps (messages_fwd + messages_adj)``, in forward-step units.
+
+    Parameters
+    ----------
+    n_steps, cf, ranks : int
+        Layers (fine intervals), coarsening factor, layer ranks.
+    cycles : (int, int)
+        Forward and adjoint cycles per solve.
+    nrelax : callable level -> int
+    skip : bool
+        The first cycle is cascadic (``skip_downcycle``).
+    min_coarse : int
+    message_steps : float
+        A message (and the engine call around it) in forward steps.
+    adjoint_steps : float
+        An adjoint step in forward steps.
+    coarsest : {'redundant', 'sequential'}
+    max_levels : int
+    slack : float
+        The fewest levels within ``(1 + slack)`` of the shortest path win (fewer levels
+        converge in fewer cycles).
+
+    Returns
+    -------
+    levels : int
+        1 where no hierarchy beats the layer-by-layer hand-off.
+    costs : dict
+        {levels: critical path in forward steps} of every level count considered.
+    """
+    if not (math.isfinite(message_steps) and message_steps >= 0):
+        raise ValueError(f"message_steps must be a finite number >= 0, got {message_steps!r}")
+    costs, prev = {}, None
+    for L in range(1, max_levels + 1):
+        sizes = level_sizes(n_steps, cf, L, min_coarse)
+        if sizes == prev:
+            break
+        prev = sizes
+        if L == 1:
+            sf = sb = float(n_steps)
+            mf = mb = float(min(ranks, n_steps + 1) - 1)
+        else:
+            sf, mf = chain_critical_path(sizes, nrelax, ranks, cycles[0], skip, coarsest)
+            sb, mb = chain_critical_path(sizes, nrelax, ranks, cycles[1], skip, coarsest)
+        costs[L] = sf + adjoint_steps * sb + message_steps * (mf + mb)
+    best = min(costs.values())
+    return min(L for L, c in costs.items() if c <= (1 + slack) * best), costs

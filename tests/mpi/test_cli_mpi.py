@@ -111,3 +111,28 @@ def test_rank_zero_compiles_first_then_every_rank_trains(tmp_path):
     assert out.count("kernels compiled (or loaded) on rank 0 in ") == 1, out
     assert out.index("on rank 0 in ") < out.index("kernels ready in ") < out.index("epoch   1/1")
     assert "final test accuracy" in out
+
+
+def test_levels_auto_chooses_one_level_count_on_every_rank(tmp_path):
+    """--levels auto on 2 layer ranks: the choice is logged with the critical path of every
+    level count, made from the slowest rank's times (so every rank takes the same one: a
+    difference would hang or fail the solve), and training runs with it."""
+    import re
+    proc = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-m", "mgnn", "train", *SMALL,
+                           "--layers", "32", "--epochs", "1", "--levels", "auto", "--cf", "2",
+                           "--json"], cwd=REPO, env=ENV, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    m = re.search(r"--levels auto: (\d+) \(critical path in forward steps per level count: "
+                  r"1: \d+, 2: \d+, 3: \d+, 4: \d+", proc.stderr)
+    assert m, proc.stderr
+    levels = int(m.group(1))
+    assert ("MGRIT: levels" in proc.stderr) == (levels > 1)
+    import json
+    assert json.loads(proc.stdout)["levels"] == levels
+
+
+def test_levels_auto_on_one_layer_rank_is_layer_by_layer(capsys):
+    from mgnn.__main__ import main
+    assert main(["train", *SMALL, "--epochs", "1", "--levels", "auto"]) == 0
+    assert "--levels auto: 1 (one layer rank" in capsys.readouterr().out
