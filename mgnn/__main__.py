@@ -68,7 +68,7 @@ def _train_parser(sub):
            "cuda-emulated (the GPU kernels compiled for the CPU: slow, for checking)")
     a("--seed", type=int, default=0, help="seeds the initial parameters and the shuffling")
     g = p.add_argument_group("MGRIT (layer-parallel propagation; --levels 1 = layer by layer)")
-    g.add_argument("--levels", type=_levels_arg, default=1,
+    g.add_argument("--levels", type=_levels_arg, default=1, metavar="{L,auto}",
                    help="MGRIT max levels (default 1: serial), or auto: the level count with "
                         "the shortest critical path for these layer ranks, from this machine's "
                         "step and message times (coarsening stops where the redundant coarsest "
