@@ -164,7 +164,9 @@ def _bench_parser(sub):
                         "(default relu)")
     g.add_argument("--batch-size", "--batch", dest="batch", type=int, default=64, metavar="B",
                    help="batch size (default 64)")
-    g.add_argument("--levels", type=int, default=3, help="MGRIT levels (default 3)")
+    g.add_argument("--levels", type=_levels_arg, default=3, metavar="{L,auto}",
+                   help="MGRIT levels (default 3); calibrate/predict also auto: per P, the "
+                        "count train --levels auto would pick from the cost table")
     g.add_argument("--cf", type=int, default=4, help="coarsening factor (default 4)")
     g.add_argument("--fwd-iters", type=int, default=2, help="forward cycles (default 2)")
     g.add_argument("--bwd-iters", type=int, default=1, help="adjoint cycles (default 1)")
@@ -800,6 +802,9 @@ def cmd_bench(args):
         if v is not None and args.suite not in suites:
             raise ValueError(f"bench {args.suite} --{flag} {v}: --{flag} is for bench "
                              f"{', '.join(suites)} only")
+    if args.levels == "auto" and args.suite not in ("calibrate", "predict"):
+        raise ValueError(f"bench {args.suite} --levels auto: auto is for bench calibrate and "
+                         "predict (and train) only")
     if args.suite in ("calibrate", "predict"):
         from .studies.predict import main
         return main(args)

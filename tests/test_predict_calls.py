@@ -324,3 +324,44 @@ def test_data_replicas_predict_their_shards():
     # (0.55 here: a few charges do not scale with the batch; every rank on the whole batch,
     # before replicas got their shards, gave 1.0)
     assert 0.45 < ratio < 0.6
+
+
+@GUARD
+def test_levels_auto_predicts_the_count_train_would_pick():
+    """``levels='auto'``: per P the count :func:`mgnn.mgrit.auto_levels` picks from the table's
+    step, call and message costs (train --levels auto's rule); the prediction is the one of
+    that count; a cheaper message never picks fewer levels."""
+    import json
+    import math
+    from mgnn.mgrit import auto_levels
+    from mgnn.studies.predict import calibrate, limits, predict, resolve_levels
+    cfg = default_config(**dict(CFG, n_layers=64, levels="auto"))
+    keys = calibrate(cfg, repeats=1, layers=16, log=None).entries
+    table = CostTable({k: (2e-6, 1e-9 * math.prod(json.loads(k.split("|")[1]))) for k in keys},
+                      {"mgrit": [3e-6, 0.0]}, alpha=1e-6, beta=1e9)
+    b = 1e-9 * 8 * 8  # a forward chain step of 8 states of width 8
+    for P in (1, 4, 16):
+        want = auto_levels(64, 2, P, (2, 1), lambda lev: min(lev, 1), True, 2,
+                           (2e-6 + 3e-6 + 1e-6 + 8 * 8 * 4 / 1e9) / b)[0]
+        assert resolve_levels(cfg, table, P)["levels"] == want
+    assert resolve_levels(cfg, table, 1)["levels"] == 1
+    # one level is layer by layer, as train --levels 1 runs it (not a one-level MGRIT solve)
+    assert predict_point(cfg, table, "mgrit", 1)["time"] == \
+        predict_point(cfg, table, "serial", 1)["time"]
+    deep = resolve_levels(cfg, table, 16)["levels"]
+    assert deep > 1
+    cheap = resolve_levels(cfg, table.with_network(0.0, 1e15), 16)["levels"]
+    assert cheap >= deep
+    assert predict_point(cfg, table, "mgrit", 16)["time"] == \
+        predict_point(dict(cfg, levels=deep), table, "mgrit", 16)["time"]
+    rows = predict(cfg, table, [16], methods=("serial", "mgrit"), log=None)
+    assert [r.get("levels") for r in rows] == [None, deep]
+    assert limits(rows, cfg, table)[0]["ranks"] == 16
+    assert resolve_levels(dict(cfg, levels=3), table, 16)["levels"] == 3
+
+
+def test_levels_auto_is_for_predict_and_train_only(capsys):
+    from mgnn.__main__ import main
+    assert main(["bench", "mgrit", "--levels", "auto"]) == 2
+    assert "bench mgrit --levels auto: auto is for bench calibrate and predict" in \
+        capsys.readouterr().err

@@ -86,6 +86,26 @@ def mgrit_options(cfg):
             MGRITOptions(max_iter=cfg["bwd_iters"], **common))
 
 
+def resolve_levels(cfg, table, P):
+    """``cfg`` with ``levels`` 'auto' replaced by :func:`mgnn.mgrit.auto_levels`'s choice for the
+    layer ranks of P ranks, as ``train --levels auto`` makes it, from ``table``'s costs: a
+    forward chain step per state, a call's cost (its per-call part and MGRIT's overhead) and
+    a state's message on the table's network; ``cfg`` itself when its levels are a number."""
+    if cfg["levels"] != "auto":
+        return cfg
+    from ..mgrit import auto_levels
+    model, x, _ = build_model(cfg, n_layers=max(cfg["cf"], 1))
+    shape = tuple(model.step.state_shape(x.shape[0]))
+    a, b = table._ab("chains_forward", shape, cfg["dtype"], None)
+    call = a + table.overhead_seconds("mgrit", 1)
+    message = table.alpha + int(np.prod(shape)) * np.dtype(cfg["dtype"]).itemsize / table.beta
+    layer_ranks = max(P // max(cfg.get("data_ranks", 1), 1), 1)
+    levels, _ = auto_levels(cfg["n_layers"], cfg["cf"], layer_ranks,
+                            (cfg["fwd_iters"], cfg["bwd_iters"]), lambda lev: min(lev, 1), True,
+                            2, (call + message) / max(b, 1e-300), coarsest=cfg["coarsest"])
+    return dict(cfg, levels=levels)
+
+
 def _trainer(method, model, comm, cfg, micro=1, backend="numba"):
     """The training object of ``method`` (the cost-only predictions run the host path,
     ``backend`` 'numba'; calibration and validation the configured backend)."""
@@ -99,6 +119,8 @@ def _trainer(method, model, comm, cfg, micro=1, backend="numba"):
     if method == "pipeline":
         return PipelineParallel(model, comm=comm, micro_batches=micro, backend=backend,
                                 data_ranks=d)
+    if cfg["levels"] == 1:  # (as train --levels 1: layer by layer, no MGRIT solver)
+        return LayerParallel(model, comm=comm, threads=None, backend=backend, data_ranks=d)
     fwd, bwd = mgrit_options(cfg)
     return LayerParallel(model, fwd=fwd, bwd=bwd, comm=comm, threads=None, backend=backend,
                          coarsest=cfg["coarsest"], data_ranks=d,
@@ -129,6 +151,8 @@ def calibrate(cfg, repeats=5, layers=None, log=print):
     the layers does). MGRIT also runs once with its cycles uncaptured: the engine's calls,
     whose per-state costs price the rows of the captured cycles the timed steps replay.
     """
+    if cfg["levels"] == "auto":  # (the kernels' costs do not depend on the level count)
+        cfg = dict(cfg, levels=3)
     N = cfg["n_layers"]
     if layers is None:
         layers = min(N, max(256, 2 * cfg["cf"] ** max(cfg["levels"] - 1, 1)))
@@ -376,6 +400,10 @@ def predict_point(cfg, table, method, P, micro=1, cores=None, trace=False, model
     """Predicted seconds of one training step of ``method`` on P ranks, with the per-rank
     breakdown: dict(time, ranks=[{compute, wait, message}...], events (with ``trace``)).
     ``payloads``: move the (meaningless) array values too (the same clocks; for tests)."""
+    if method == "mgrit":
+        cfg = resolve_levels(cfg, table, P)
+        if cfg["levels"] == 1:  # layer by layer (train --levels 1), with its overhead
+            method = "serial" if P == 1 else "layerwise"
     if model is None:
         model = build_model(cfg)
     real, x, y = model
@@ -535,9 +563,13 @@ def predict(cfg, table, ranks, methods=METHODS, cores=None, log=print):
                     t_serial = r["time"]
                 if method == "mgrit":  # the same run with zero orchestration cost
                     row["bound_s"] = r["bound"]
+                    row["levels"] = resolve_levels(cfg, table, P)["levels"]
                 rows.append(row)
                 if log:
                     log(f"  {method:<9}{f'M={M}' if M else '':<6}P={P:<6} "
+                        + (f"{row['levels']} levels " if cfg["levels"] == "auto" and
+                           "levels" in row else "")
+                        + 
                         f"{r['time'] * 1e3:10.3f} ms"
                         + (f" (bound {row['bound_s'] * 1e3:.3f} ms)" if "bound_s" in row else "")
                         + f"   (virtual run {row['wall_s']:.1f} s)")
@@ -772,11 +804,11 @@ def coarsest_seconds(cfg, table):
 
 def limits(rows, cfg, table):
     """One line per MGRIT row: what bounds it (coarsest level, messages, waiting, imbalance)."""
-    t_c = coarsest_seconds(cfg, table)
     out = []
     for r in rows:
         if r["method"] != "mgrit":
             continue
+        t_c = coarsest_seconds(dict(cfg, levels=r.get("levels", cfg["levels"])), table)
         t = r["time_s"]
         parts = {"coarsest level": t_c / t, "waiting": r["wait_mean_s"] / t,
                  "messages": r["message_mean_s"] / t,
@@ -978,7 +1010,7 @@ def validate(cfg, table, ranks=(1, 2, 4), repeats=5, log=print, timeout=900):
         if log:
             log(f"  measuring P={P}: mpiexec -n {P} python -m mgnn.studies.predict measure ..."
                 + (f" ({P} ranks on {cores} cores: oversubscribed)" if P > cores else ""))
-        measured = _measure(cfg, P, repeats, timeout)
+        measured = _measure(resolve_levels(cfg, table, P), P, repeats, timeout)
         for label, t in measured.items():
             method, _, M = label.partition("-")
             M = int(M) if M else 0
