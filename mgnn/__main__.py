@@ -155,7 +155,8 @@ def _bench_parser(sub):
                         "(hidden = --width, 4 input features; no pipeline baseline), or a conv "
                         "ResNet (--channels, 28 x 28 images; with --spatial-levels also MGRIT "
                         "with spatial coarsening); "
-                        "calibrate/predict: dense or conv (MNIST-sized 28 x 28 images)")
+                        "calibrate/predict: dense, conv (MNIST-sized 28 x 28 images) or gru "
+                        "(no pipeline)")
     g.add_argument("--layers", "--n-layers", dest="n_layers", type=int, default=256, metavar="N",
                    help="residual layers N (default 256)")
     g.add_argument("--width", type=int, default=64, help="state width (default 64)")

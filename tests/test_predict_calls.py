@@ -365,3 +365,70 @@ def test_levels_auto_is_for_predict_and_train_only(capsys):
     assert main(["bench", "mgrit", "--levels", "auto"]) == 2
     assert "bench mgrit --levels auto: auto is for bench calibrate and predict" in \
         capsys.readouterr().err
+
+
+def test_the_cost_only_gru_final_sweep_flags_the_rows_the_kernel_keeps():
+    from mgnn import gru_classifier
+    from mgnn.blocks.composed import StepContext
+    bk = get_backend("numba")
+    model = gru_classifier(3, 4, 2, 12, dtype="float64", seed=0)
+    kind = model.step
+    if not kind.can_keep_derivs(bk):
+        pytest.skip("no keep kernels in this backend")
+    rng = np.random.default_rng(0)
+    U = rng.standard_normal((14, 3, 1, 4))
+    for chains, layer0, step, lo in (([[1, 3], [5, 2]], -1, 1, 0), ([[2, 4]], 12, -1, 3),
+                                     ([[1, 5]], -2, 2, 2)):
+        chains = np.array(chains, dtype=np.int64)
+        flags = []
+        for run in ("real", "charged"):
+            ctx = StepContext(buffers={})
+            ctx.x = rng.standard_normal((3, 12, 3))
+            kept = kind.kept_arrays(U.shape[1:], 6, U.dtype,
+                                    lambda name, shape, dtype: np.zeros(shape, dtype))
+            done = np.zeros(6, np.int8)
+            args = (model.step_params(), U.copy(), chains, layer0, step, 1.0, kept, lo, done,
+                    bk, ctx)
+            if run == "real":
+                kind.chains_forward_layers_keep(*args)
+            else:
+                _zero_outputs("chains_forward_layers_keep", args)
+            flags.append(done.tolist())
+        assert flags[0] == flags[1] and any(flags[0])
+
+
+@GUARD
+def test_a_cost_only_gru_step_charges_every_kernel_and_runs_none(monkeypatch):
+    """GRU predictions: a cost-only MGRIT step on 1 and 2 virtual ranks (the stacked chains,
+    points, kept linearisation, gate cotangents; serial: the sweeps) calls no recurrent
+    kernel (each is charged instead), and the charged time is deterministic and positive."""
+    import mgnn.backend.numba_cpu as nb
+    from mgnn.studies.predict import calibrate
+    cfg = default_config(**dict(CFG, model="gru", n_layers=32, width=8, micro=()))
+    table = calibrate(cfg, repeats=1, layers=16, log=None)
+    assert {"chains_forward_layers", "chains_adjoint_layers", "vjp_params_stacked_layers",
+            "sweep_forward_layers", "sweep_backward_layers"} <= {
+        k.split("|")[0] for k in table.entries}
+
+    def boom(*a, **k):
+        raise AssertionError("a recurrent kernel ran in a cost-only step")
+    for name in dir(nb):
+        if name.startswith(("recurrent_", "gru_gates", "rnn_gates")) and \
+                not name.endswith("_check"):
+            monkeypatch.setattr(nb, name, boom)
+    model, x, y = build_model(cfg)
+    for method in ("serial", "mgrit"):  # (the patch holds: a real step runs into it)
+        with pytest.raises(AssertionError, match="a recurrent kernel ran"):
+            _trainer(method, model, None, cfg).loss_and_grad(x, y)
+    for method, P in (("serial", 1), ("mgrit", 1), ("mgrit", 2), ("layerwise", 2)):
+        a = predict_point(cfg, table, method, P)
+        b = predict_point(cfg, table, method, P)
+        assert a["time"] == b["time"] > 0, (method, P)
+        if method == "mgrit":
+            assert 0 < a["bound"] < a["time"]
+
+
+def test_gru_predictions_have_no_pipeline(capsys):
+    from mgnn.__main__ import main
+    assert main(["bench", "predict", "--model", "gru", "--micro", "4"]) == 2
+    assert "--micro 4: bench predict --model gru predicts no pipeline" in capsys.readouterr().err

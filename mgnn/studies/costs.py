@@ -44,15 +44,41 @@ STEP_METHODS = {
     "chains_forward_derivs": (2, "chains3"), "deriv_missing": (2, "missing"),
     # a captured cycle's replay (k: its rows; charged as its rows' kernels, :func:`tape_seconds`)
     "run_tape": (3, "tape"),
+    # recurrent kinds (GRU / RNN over sequence time; states (B, layers, H), shared weights)
+    "chains_forward_layers": (1, "chains3"), "chains_adjoint_layers": (1, "chains3"),
+    "chains_forward_layers_keep": (1, "chains2"),
+    "points_forward_layers": (1, "rslots4"), "points_adjoint_layers": (1, "rslots4"),
+    "linearize_stacked": (1, "linearize"), "vjp_params_stacked_layers": (2, "lin"),
+    "sweep_forward_layers": (1, "rsweep"), "sweep_backward_layers": (1, "rsweep_back"),
 }
+#: the op whose presence in a table says the calibrated backend kept a final sweep's
+#: linearisation (:func:`_as_calibrated`), per kind's keep method
+KEEP_OPS = {"chains_forward_derivs": "chains_forward_derivs",
+            "chains_forward_layers_keep": "chains_forward_layers_keep"}
 MODULE_METHODS = {"opening": ("forward", "vjp"), "closing": ("forward", "vjp"),
                   "loss": ("forward_grad",)}
 
 
-def _call_shape(name, args):
-    """(op key, state shape, k) of one call of step method ``name`` with positional ``args``."""
+def _call_shape(name, args, kwargs=None):
+    """(op key, state shape, k) of one call of step method ``name`` with positional ``args``
+    (and keyword ``kwargs``)."""
     pos, how = STEP_METHODS[name]
     a = args[pos]
+    if how == "rslots4":  # (P, U, G, R, slots, out_slots, layer0, layer_step, h, mode, ...)
+        return f"{name}:{int(args[9])}", tuple(a.shape[1:]), len(args[4])
+    if how == "linearize":  # (P, U, first, count, t0, bk, ctx, scratch, done=None)
+        done = args[8] if len(args) > 8 else (kwargs or {}).get("done")
+        count = int(args[3])
+        if done is None:
+            return name, tuple(a.shape[1:]), count
+        return f"{name}_missing", tuple(a.shape[1:]), \
+            count - int(np.count_nonzero(np.asarray(done)[:count]))
+    if how == "lin":  # (P, parts, lin, ...): every step of the linearisation
+        return name, tuple(a.U.shape[1:]), int(a.D.shape[0])
+    if how == "rsweep":  # (P, U (L + 1, ...), h, store, ...)
+        return name if args[3] else f"{name}_nod", tuple(a.shape[1:]), int(a.shape[0]) - 1
+    if how == "rsweep_back":  # (P, U, D (L, ...), lam, ...)
+        return name, tuple(a.shape[1:]), int(args[2].shape[0])
     if how == "one":
         return name, tuple(a.shape), 1
     if how == "list":
@@ -110,6 +136,29 @@ def _zero_outputs(name, args):
         for first, n in np.asarray(chains).reshape(-1, 2).tolist():
             p = layer0 + np.arange(first, first + n) * step - d_lo
             done[p[(p >= 0) & (p < D.shape[0])]] = 1
+    elif name in ("points_forward_layers", "points_adjoint_layers"):
+        R = args[3]
+        if R is not None:
+            for o in args[5]:
+                R[int(o)] = 0
+    elif name == "chains_forward_layers_keep":  # flag the rows the kernel keeps (step t of
+        # the chain's slot i is layer0 + i layer_step; row t - lo)
+        chains, layer0, step, D, lo, done = (args[2], args[3], args[4], args[6][0], args[7],
+                                             args[8])
+        for first, n in np.asarray(chains).reshape(-1, 2).tolist():
+            p = layer0 + np.arange(first, first + n) * step - lo
+            done[p[(p >= 0) & (p < D.shape[0])]] = 1
+    elif name == "sweep_forward_layers":
+        _zero_rows(args[1], 1, args[1].shape[0])
+    elif name == "sweep_backward_layers":
+        for g in args[7].values():
+            g[...] = 0
+    elif name == "vjp_params_stacked_layers":
+        for part in args[1]:  # a run that waits for a message still waits (and is charged)
+            if callable(part):
+                part()
+        for g in args[5].values():
+            g[...] = 0
     elif name == "sweep_forward":
         _zero_rows(args[2], 1, args[2].shape[0])
         _zero_rows(args[4], 0, args[4].shape[0])
@@ -118,7 +167,7 @@ def _zero_outputs(name, args):
             _zero_rows(g, 0, g.shape[0])
 
 
-def _placeholder(name, kind, args):
+def _placeholder(name, kind, args, kwargs=None):
     """What the cost-only step method ``name`` returns: zeros of the real result's shapes."""
     _zero_outputs(name, args)
     pos, how = STEP_METHODS[name]
@@ -139,6 +188,18 @@ def _placeholder(name, kind, args):
         return [np.zeros_like(v) for v in a]
     if name.startswith("points"):
         return 0.0
+    if name == "linearize_stacked":  # (P, U, first, count, t0, bk, ctx, scratch, ...)
+        from ..blocks.recurrent import StackedLinearization
+        U, first, count, t0, scratch = args[1], args[2], args[3], args[4], args[7]
+        D, Y = kind.kept_arrays(U.shape[1:], count, U.dtype, scratch)
+        D[...], Y[...] = 0, 0
+        return StackedLinearization(U, first - t0, D, t0, Y, kind.cache_width)
+    if name == "sweep_forward_layers":  # the caches (L or 0, layers, B, C H)
+        U = args[1]
+        return np.zeros((U.shape[0] - 1 if args[3] else 0, kind.n_layers, U.shape[1],
+                         kind.cache_width * kind.hidden), U.dtype)
+    if name == "sweep_backward_layers":
+        return np.zeros_like(args[3])
     if name == "sweep_backward":
         return np.zeros_like(args[5])
     return None
@@ -176,7 +237,7 @@ def _timed_step(name, base):
             self._depth -= 1
         if self._depth == 0:
             seconds = time.perf_counter() - t0
-            op, shape, k = _call_shape(name, args)
+            op, shape, k = _call_shape(name, args, kwargs)
             self._costs.add(op, shape, self._dtype, k, seconds)
             if name == "run_tape" and self._costs.enabled:
                 self._costs.tapes.append(_tape_call(args) + (self._dtype, seconds))
@@ -197,7 +258,7 @@ def _tape_call(args):
 
 def _charged_step(name):
     def method(self, *args, **kwargs):
-        op, shape, k = _call_shape(name, args)
+        op, shape, k = _call_shape(name, args, kwargs)
         if name == "run_tape":  # the replay's own cost (a + c rows) plus its rows' kernels
             seconds = self._costs.seconds(op, shape, self._dtype, k, self._method, missing=0.0)
             shape, rows, adjoint, sizes = _tape_call(args)
@@ -206,7 +267,7 @@ def _charged_step(name):
         else:
             seconds, bound = self._costs.charges(op, shape, self._dtype, k, self._method)
         charge(seconds, bound)  # the shadow clock: the critical-path bound
-        return _placeholder(name, self, args)
+        return _placeholder(name, self, args, kwargs)
     method.__name__ = name
     return method
 
@@ -227,8 +288,8 @@ def _wrap_kind(kind, costs, dtype, method, record):
         if hasattr(cls, name):
             body[name] = _timed_step(name, getattr(cls, name)) if record else _charged_step(name)
     if not record:  # the calibrated backend's paths: keep sigma' / replay cycles where it did
-        for query, op in (("can_keep_derivs", "chains_forward_derivs"),
-                          ("can_replay", "run_tape")):
+        keep = next((op for m, op in KEEP_OPS.items() if hasattr(cls, m)), None)
+        for query, op in (("can_keep_derivs", keep), ("can_replay", "run_tape")):
             if hasattr(cls, query):
                 body[query] = _as_calibrated(getattr(cls, query), op)
     new = object.__new__(type(("Recorded" if record else "CostOnly") + cls.__name__, (cls,),
@@ -298,10 +359,10 @@ def recording_model(model, recorder):
 def cost_model(model, table, method="mgrit"):
     """A cost-only copy of ``model`` (shares the parameters): its kernel calls charge
     ``table``'s seconds (plus ``method``'s Python overhead per call) to the running virtual
-    rank and return zero placeholders. Fused step kinds only (dense, conv 2D/3D)."""
-    if not getattr(model.step, "fused", False):
-        raise ValueError("cost-only models need a fused step kind (dense or conv; not batch "
-                         "norm, dropout or recurrent cells)")
+    rank and return zero placeholders. Fused step kinds (dense, conv 2D/3D) and recurrent ones (GRU, RNN)."""
+    if not (getattr(model.step, "fused", False) or getattr(model.step, "shared", False)):
+        raise ValueError("cost-only models need a fused step kind (dense or conv) or a "
+                         "recurrent one (GRU, RNN); not batch norm, dropout or conv 3D")
     if not isinstance(table, CostTable):
         raise TypeError(f"table must be a CostTable, got {type(table).__name__}")
     return _wrapped(model, table, method, False)

@@ -58,9 +58,21 @@ def default_config(**kw):
     return cfg
 
 
+#: a GRU prediction's input features per step when not given (``bench recurrent``'s)
+GRU_IN_FEATURES = 4
+
+
+def chain_ops(cfg):
+    """The (forward, adjoint) stacked chain kernels of ``cfg``'s model kind in a cost table."""
+    if cfg["model"] == "gru":
+        return "chains_forward_layers", "chains_adjoint_layers"
+    return "chains_forward", "chains_adjoint"
+
+
 def build_model(cfg, n_layers=None):
     """(model, x, y) of ``cfg``: dense (inputs of ``in_features``, default the width) or conv
     (1 input channel, ``image_size``^2 images), 10 classes, zero inputs."""
+    from ..models import gru_classifier
     from ..network import conv_resnet, dense_resnet
     N = cfg["n_layers"] if n_layers is None else n_layers
     B = cfg["batch"]
@@ -72,8 +84,13 @@ def build_model(cfg, n_layers=None):
         s = cfg["image_size"]
         model = conv_resnet(1, cfg["channels"], (s, s), 10, N, dtype=cfg["dtype"], seed=0)
         x = np.zeros((B, 1, s, s), dtype=cfg["dtype"])
+    elif cfg["model"] == "gru":  # over N time steps, hidden = width, one GRU layer
+        f = cfg["in_features"] or GRU_IN_FEATURES
+        model = gru_classifier(f, cfg["width"], 10, N, dtype=cfg["dtype"], seed=0)
+        x = np.zeros((B, N, f), dtype=cfg["dtype"])
     else:
-        raise ValueError(f"--model {cfg['model']!r}: predictions cover dense and conv ResNets")
+        raise ValueError(f"--model {cfg['model']!r}: predictions cover dense and conv ResNets "
+                         "and GRUs")
     return model, x, np.zeros(B, dtype=np.int64)
 
 
@@ -96,7 +113,7 @@ def resolve_levels(cfg, table, P):
     from ..mgrit import auto_levels
     model, x, _ = build_model(cfg, n_layers=max(cfg["cf"], 1))
     shape = tuple(model.step.state_shape(x.shape[0]))
-    a, b = table._ab("chains_forward", shape, cfg["dtype"], None)
+    a, b = table._ab(chain_ops(cfg)[0], shape, cfg["dtype"], None)
     call = a + table.overhead_seconds("mgrit", 1)
     message = table.alpha + int(np.prod(shape)) * np.dtype(cfg["dtype"]).itemsize / table.beta
     layer_ranks = max(P // max(cfg.get("data_ranks", 1), 1), 1)
@@ -240,7 +257,8 @@ def _fit_overhead(points):
 def _state_shape(samples):
     """The state shape of the stacked chains in recorded ``samples`` (the largest, level 0;
     None: no stacked chains were called)."""
-    shapes = [s[1] for s in samples if s[0] in ("chains_forward", "run_tape")]
+    shapes = [s[1] for s in samples if s[0] in ("chains_forward", "run_tape",
+                                                 "chains_forward_layers")]
     return max(shapes, key=math.prod) if shapes else None
 
 
@@ -695,8 +713,11 @@ def _ints(flag, text):
 def config_from_args(args):
     """:func:`default_config` from ``bench calibrate/predict``'s flags (ValueError naming the
     flag)."""
-    if args.model not in ("dense", "conv"):
-        raise ValueError(f"--model {args.model}: bench {args.suite} covers dense and conv")
+    if args.model not in ("dense", "conv", "gru"):
+        raise ValueError(f"--model {args.model}: bench {args.suite} covers dense, conv and gru")
+    if args.model == "gru" and args.micro:
+        raise ValueError(f"--micro {args.micro}: bench {args.suite} --model gru predicts no "
+                         "pipeline (a GRU's steps share their weights)")
     text = (args.spatial_levels or "").strip()
     try:
         spatial = tuple(int(v) for v in text.split(",")) if text else ()
@@ -712,7 +733,8 @@ def config_from_args(args):
                           fwd_iters=args.fwd_iters, bwd_iters=args.bwd_iters,
                           coarsest=args.coarsest, spatial_levels=spatial,
                           backend=resolve_backend(getattr(args, "backend", None) or "numba"),
-                          micro=tuple(_ints("--micro", args.micro or "4,16")))
+                          micro=() if args.model == "gru" else
+                          tuple(_ints("--micro", args.micro or "4,16")))
 
 
 def _costs_path(args, cfg):
@@ -736,8 +758,9 @@ def _calibrate_cmd(args, cfg, log):
 
 
 def _describe(cfg):
-    size = (f"w={cfg['width']}" if cfg["model"] == "dense" else
-            f"C={cfg['channels']}, {cfg['image_size']}x{cfg['image_size']}")
+    size = {"dense": f"w={cfg['width']}", "gru": f"GRU H={cfg['width']}, "
+            f"I={cfg['in_features'] or GRU_IN_FEATURES}, N = time steps",
+            "conv": f"C={cfg['channels']}, {cfg['image_size']}x{cfg['image_size']}"}[cfg["model"]]
     spatial = cfg.get("spatial_levels") or ()
     coarsest = "sequential" if spatial else cfg["coarsest"]  # as LayerParallel picks it
     return (f"N={cfg['n_layers']}, {size}, B={cfg['batch']}, {cfg['dtype']}; MGRIT "
@@ -762,7 +785,7 @@ def _load_table(args, cfg, log):
             raise ValueError(f"--costs {path} was calibrated for --{key} {have.get(key)}, "
                              f"not {cfg[key]} (calibrate again)")
     keys = ["batch", "in_features", "spatial_levels"] + (
-        ["width"] if cfg["model"] == "dense" else ["channels", "image_size"])
+        ["channels", "image_size"] if cfg["model"] == "conv" else ["width"])
     differ = [f"{k} {have[k]} (predicting {_plain(cfg[k])})" for k in keys
               if k in have and have[k] != _plain(cfg[k])]
     if differ:
@@ -791,7 +814,7 @@ def coarsest_seconds(cfg, table):
         shape = shape[:2] + tuple(grid_transfer.coarse_shape(shape[2:]))
     # chains on stacked stores, forward and adjoint (with spatial coarsening too: the coarse
     # adjoint's sigma' is taken at restricted states, its steps are the same chains)
-    ops = ("chains_forward", "chains_adjoint")
+    ops = chain_ops(cfg)
     t = 0.0
     for op, cycles in zip(ops, (cfg["fwd_iters"], cfg["bwd_iters"])):
         try:
@@ -918,6 +941,8 @@ def main(args, log=print):
     text = format_rows(rows)
     log(text)
     for other, P in cross.items():
+        if other == "pipeline" and not cfg["micro"]:  # (a GRU: no pipeline predicted)
+            continue
         log(f"MGRIT overtakes {other}: " + (f"from P = {P}" if P else "not in --ranks"))
     if table.inexact:
         log(f"note: {len(table.inexact)} kernel costs were scaled from other shapes: "
@@ -937,8 +962,8 @@ def main(args, log=print):
             files.append(os.path.join(out, "predict_weak.png"))
         if gantt_p:
             P = gantt_p[-1]
-            for method in ("mgrit", "pipeline"):
-                r = predict_point(cfg, table, method, P, micro=cfg["micro"][0],
+            for method in ("mgrit", "pipeline")[:1 + bool(cfg["micro"])]:
+                r = predict_point(cfg, table, method, P, micro=(cfg["micro"] or (1,))[0],
                                   cores=args.cores, trace=True)
                 f = os.path.join(out, f"gantt_{method}_P{P}.png")
                 plot_gantt(r["events"], f, f"{method} on {P} ranks\n{title}")
@@ -1190,9 +1215,10 @@ def plan(cfg, table, P, grad_tol=0.1, cfs=(2, 4), cycles=((2, 1), (3, 2), (4, 3)
 
 def train_command(cfg, row):
     """The ``mpiexec ... python -m mgnn train`` line of a planned row."""
-    net = (f"--model dense --width {cfg['width']}" if cfg["model"] == "dense" else
-           f"--model conv --channels {cfg['channels']}")
-    head = (f"mpiexec -n {row['ranks']} python -m mgnn train {net} --layers {cfg['n_layers']} "
+    net = {"dense": f"--model dense --width {cfg['width']} --layers {cfg['n_layers']}",
+           "conv": f"--model conv --channels {cfg['channels']} --layers {cfg['n_layers']}",
+           "gru": f"--model gru --width {cfg['width']} --seq-len {cfg['n_layers']}"}[cfg["model"]]
+    head = (f"mpiexec -n {row['ranks']} python -m mgnn train {net} "
             f"--batch-size {cfg['batch']} --dtype {cfg['dtype']}")
     if row["method"] == "mgrit":
         return (f"{head} --layer-ranks {row['ranks'] // row['data']} --data-ranks {row['data']} "
