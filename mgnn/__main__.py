@@ -284,6 +284,9 @@ def _check_args(args, parser):
         elif args.lr_min is not None and args.lr_min > lr:
             raise ValueError(f"--lr-min {args.lr_min} is above --lr {lr}")
         _spatial_levels(args)
+        if args.levels == "auto" and args.cycle != "V":
+            raise ValueError(f"--levels auto models V-cycles, not --cycle {args.cycle}: give "
+                             "--levels N")
         if args.batch_size < args.data_ranks:
             raise ValueError(f"--batch-size {args.batch_size} is smaller than --data-ranks "
                              f"{args.data_ranks}: every data replica needs a sample of each batch")
@@ -528,6 +531,7 @@ def _step_seconds(args, model, x):
     prop = ForwardPropagator(model, bk)
 
     def timed(xb):
+        prop.ctx.begin(xb)  # (sequence models read their per-step inputs from it)
         u, _ = model.opening.forward(model.group("opening"), xb, bk)
         prop.step(u, 0, 1, 0)  # (compiles, or loads the cache)
         reps, t0 = 0, time.perf_counter()
@@ -546,11 +550,19 @@ def _auto_levels(args, model, x, comm, layer_ranks, log):
     """--levels auto: the level count of :func:`mgnn.mgrit.hierarchy.auto_levels` for
     ``layer_ranks``, from this machine's forward step (batch ``x``), a call's overhead and a
     message of a state (ping-pong between ranks 0 and 1); the same on every rank (the slowest
-    rank's times). Collective under MPI."""
+    rank's times). A step's work is the batch's step less a call's overhead (the one-sample
+    step), as a cost table's per-state part. Collective under MPI."""
+    from .comm import polled_barrier
     from .mgrit.hierarchy import auto_levels
     if layer_ranks == 1:
         log("--levels auto: 1 (one layer rank: layer by layer is the shortest path)")
         return 1
+    if comm.Get_rank() == 0:  # compiles into Numba's cache alone first (as the training step)
+        try:
+            _step_seconds(args, model, x)
+        except Exception:  # noqa: BLE001 -- raised on every rank by the collective call below
+            pass
+    polled_barrier(comm)
     t_step, t_call = _agreed(comm, _step_seconds, args, model, x)
     state = np.zeros(int(np.prod(model.step.state_shape(x.shape[0]))), model.dtype)
     recv = np.empty_like(state)
@@ -562,16 +574,19 @@ def _auto_levels(args, model, x, comm, layer_ranks, log):
     times = np.array([t_step, t_call, t_msg])
     comm.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
     t_step, t_call, t_msg = times.tolist()
-    message_steps = (t_msg + t_call) / max(t_step, 1e-12)
+    work = max(t_step - t_call, 0.05 * t_step, 1e-12)
+    message_steps = (t_msg + t_call) / work
     nrelax = _nrelax(args)
+    # as LayerParallel runs it: redundant only for fused kinds without spatial coarsening
+    coarsest = args.coarsest if model.step.fused and not _spatial_levels(args) else "sequential"
     levels, costs = auto_levels(
         args.layers, args.cf, layer_ranks, (args.fwd_iters, args.bwd_iters),
         lambda lev: nrelax[min(lev, len(nrelax) - 1)], args.skip_downcycle, args.min_coarse,
-        message_steps, coarsest=args.coarsest)
+        message_steps, coarsest=coarsest)
     log(f"--levels auto: {levels} (critical path in forward steps per level count: "
         + ", ".join(f"{L}: {c:.0f}" for L, c in costs.items())
-        + f"; a step {1e6 * t_step:.1f} us, a message and call {1e6 * (t_msg + t_call):.1f} us,"
-        f" {layer_ranks} layer ranks)")
+        + f"; a step's work {1e6 * work:.1f} us, a message and call "
+        f"{1e6 * (t_msg + t_call):.1f} us, {layer_ranks} layer ranks, coarsest {coarsest})")
     return levels
 
 

@@ -38,6 +38,7 @@ BAD = [
     (["--bwd-iters", "0"], "--bwd-iters must be >= 1, got 0"),
     (["--levels", "0"], "--levels must be >= 1, got 0"),
     (["--cf", "1"], "--cf must be >= 2, got 1"),
+    (["--levels", "auto", "--cycle", "F"], "--levels auto models V-cycles, not --cycle F"),
     (["--min-coarse", "0"], "--min-coarse must be >= 1, got 0"),
     (["--data-ranks", "0"], "--data-ranks must be >= 1, got 0"),
     (["--lr", "0"], "--lr must be a finite number > 0.0, got 0.0"),

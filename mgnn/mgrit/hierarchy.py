@@ -180,7 +180,7 @@ def _cycle_sweeps(n_levels, nrelax, skip):
             yield lev + 1, "F"
 
 
-def _sweep_chain(sizes, lev, kind, ranks):
+def _sweep_chain(sizes, cf, lev, kind, ranks):
     """(steps, messages) on the critical path of one sweep of ``kind`` on level ``lev`` over
     ``ranks`` layer ranks whose blocks hold consecutive points: a rank's own steps, and an
     F-interval that spans several ranks as the sequential chain it is (cf - 1 steps, a hand-off
@@ -193,38 +193,41 @@ def _sweep_chain(sizes, lev, kind, ranks):
     nc = sizes[lev + 1]
     if kind == "C":
         return math.ceil(nc / min(p, nc + 1)), msgs
-    cf = max(n // max(nc, 1), 2)
     per_rank = n / p  # points a rank holds
     if per_rank >= cf:  # whole intervals on every rank: its own chains after one message
-        return math.ceil(nc / p) * (cf - 1), msgs
-    return cf - 1, math.ceil(cf / max(per_rank, 1.0))
+        return min(n - nc, math.ceil(math.ceil(n / cf) / p) * (cf - 1)), msgs
+    # an interval spans ranks: its C-point's rank starts the chain, each boundary hands it on
+    return min(n - nc, cf - 1), max(msgs, math.ceil(cf / max(per_rank, 1.0)) - 1)
 
 
-def chain_critical_path(sizes, nrelax, ranks, cycles, skip=False, coarsest="redundant"):
+def chain_critical_path(sizes, cf, nrelax, ranks, cycles, skip=False, coarsest="redundant"):
     """(steps, messages) on the critical path of a whole solve, chain by chain.
 
     Like :func:`solve_critical_path`, but each sweep costs what its longest chain does: a rank
     holding whole F-intervals steps ``ceil(intervals / ranks) (cf - 1)`` times after one
     message; where a coarse level's interval spans ranks it is a chain of ``cf - 1`` steps
-    with a hand-off at each boundary (it does not shrink with more ranks). The coarsest level:
-    ``'redundant'`` (every rank solves it after an allgather: ``ceil(log2 P)`` messages) or
-    ``'sequential'`` (its P_c ranks in turn). One level: the layer-by-layer hand-off.
+    with a hand-off at each rank boundary (it does not shrink with more ranks). Collectives
+    over the P layer ranks count ``ceil(log2 P)`` messages: the residual norm of every cycle
+    but a cascadic one, and the coarsest level's allgather when it is ``'redundant'`` (every
+    rank solves it); ``'sequential'``: its P_c ranks in turn. One level: the layer-by-layer
+    hand-off. On one rank the steps are those of :func:`cycle_work` and the final
+    F-relaxation.
     """
     if coarsest not in ("redundant", "sequential"):
         raise ValueError(f"coarsest must be 'redundant' or 'sequential', got {coarsest!r}")
     L = len(sizes)
     if L == 1:
         return float(sizes[0]), float(min(ranks, sizes[0] + 1) - 1)
-    pc = min(ranks, sizes[-1] + 1)
-    coarse_msgs = (math.ceil(math.log2(pc)) if pc > 1 else 0) if coarsest == "redundant" \
-        else pc - 1
+    tree = math.ceil(math.log2(ranks)) if ranks > 1 else 0
+    coarse_msgs = tree if coarsest == "redundant" else min(ranks, sizes[-1] + 1) - 1
     steps = msgs = 0.0
     for k in range(cycles):
-        for lev, kind in _cycle_sweeps(L, nrelax, skip and k == 0):
-            s, m = _sweep_chain(sizes, lev, kind, ranks)
+        cascadic = skip and k == 0
+        for lev, kind in _cycle_sweeps(L, nrelax, cascadic):
+            s, m = _sweep_chain(sizes, cf, lev, kind, ranks)
             steps, msgs = steps + s, msgs + m
-        steps, msgs = steps + sizes[-1], msgs + coarse_msgs
-    s, m = _sweep_chain(sizes, 0, "F", ranks)  # the final F-relaxation
+        steps, msgs = steps + sizes[-1], msgs + coarse_msgs + (0 if cascadic else tree)
+    s, m = _sweep_chain(sizes, cf, 0, "F", ranks)  # the final F-relaxation
     return steps + s, msgs + m
 
 
@@ -276,8 +279,8 @@ def auto_levels(n_steps, cf, ranks, cycles=(2, 1), nrelax=lambda level: 1, skip=
             sf = sb = float(n_steps)
             mf = mb = float(min(ranks, n_steps + 1) - 1)
         else:
-            sf, mf = chain_critical_path(sizes, nrelax, ranks, cycles[0], skip, coarsest)
-            sb, mb = chain_critical_path(sizes, nrelax, ranks, cycles[1], skip, coarsest)
+            sf, mf = chain_critical_path(sizes, cf, nrelax, ranks, cycles[0], skip, coarsest)
+            sb, mb = chain_critical_path(sizes, cf, nrelax, ranks, cycles[1], skip, coarsest)
         costs[L] = sf + adjoint_steps * sb + message_steps * (mf + mb)
     best = min(costs.values())
     return min(L for L, c in costs.items() if c <= (1 + slack) * best), costs

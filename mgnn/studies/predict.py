@@ -112,14 +112,17 @@ def resolve_levels(cfg, table, P):
         return cfg
     from ..mgrit import auto_levels
     model, x, _ = build_model(cfg, n_layers=max(cfg["cf"], 1))
-    shape = tuple(model.step.state_shape(x.shape[0]))
+    d = max(cfg.get("data_ranks", 1), 1)
+    shape = tuple(model.step.state_shape(max(x.shape[0] // d, 1)))  # a replica's shard
     a, b = table._ab(chain_ops(cfg)[0], shape, cfg["dtype"], None)
     call = a + table.overhead_seconds("mgrit", 1)
     message = table.alpha + int(np.prod(shape)) * np.dtype(cfg["dtype"]).itemsize / table.beta
-    layer_ranks = max(P // max(cfg.get("data_ranks", 1), 1), 1)
-    levels, _ = auto_levels(cfg["n_layers"], cfg["cf"], layer_ranks,
+    # as LayerParallel runs it: redundant only for fused kinds without spatial coarsening
+    coarsest = cfg["coarsest"] if model.step.fused and not cfg.get("spatial_levels") else \
+        "sequential"
+    levels, _ = auto_levels(cfg["n_layers"], cfg["cf"], max(P // d, 1),
                             (cfg["fwd_iters"], cfg["bwd_iters"]), lambda lev: min(lev, 1), True,
-                            2, (call + message) / max(b, 1e-300), coarsest=cfg["coarsest"])
+                            2, (call + message) / max(b, 1e-300), coarsest=coarsest)
     return dict(cfg, levels=levels)
 
 
@@ -130,9 +133,9 @@ def _trainer(method, model, comm, cfg, micro=1, backend="numba"):
     from .pipeline import PipelineParallel
     if method == "serial":
         return LayerParallel(model, threads=None, backend=backend)
-    if method == "layerwise":
-        return LayerParallel(model, comm=comm, threads=None, backend=backend)
     d = cfg.get("data_ranks", 1) if comm is not None else 1
+    if method == "layerwise":
+        return LayerParallel(model, comm=comm, threads=None, backend=backend, data_ranks=d)
     if method == "pipeline":
         return PipelineParallel(model, comm=comm, micro_batches=micro, backend=backend,
                                 data_ranks=d)
@@ -831,7 +834,8 @@ def limits(rows, cfg, table):
     for r in rows:
         if r["method"] != "mgrit":
             continue
-        t_c = coarsest_seconds(dict(cfg, levels=r.get("levels", cfg["levels"])), table)
+        levels = r.get("levels", cfg["levels"])  # (1: layer by layer, no coarsest level)
+        t_c = coarsest_seconds(dict(cfg, levels=levels), table) if levels != 1 else 0.0
         t = r["time_s"]
         parts = {"coarsest level": t_c / t, "waiting": r["wait_mean_s"] / t,
                  "messages": r["message_mean_s"] / t,

@@ -116,20 +116,34 @@ def test_rank_zero_compiles_first_then_every_rank_trains(tmp_path):
 def test_levels_auto_chooses_one_level_count_on_every_rank(tmp_path):
     """--levels auto on 2 layer ranks: the choice is logged with the critical path of every
     level count, made from the slowest rank's times (so every rank takes the same one: a
-    difference would hang or fail the solve), and training runs with it."""
-    import re
-    proc = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-m", "mgnn", "train", *SMALL,
-                           "--layers", "32", "--epochs", "1", "--levels", "auto", "--cf", "2",
-                           "--json"], cwd=REPO, env=ENV, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    m = re.search(r"--levels auto: (\d+) \(critical path in forward steps per level count: "
-                  r"1: \d+, 2: \d+, 3: \d+, 4: \d+", proc.stderr)
-    assert m, proc.stderr
-    levels = int(m.group(1))
-    assert ("MGRIT: levels" in proc.stderr) == (levels > 1)
+    difference would hang or fail the solve), and training runs with it. A GRU (its step reads
+    the sequence's inputs) and a dense ResNet; then with the choice forced to 3 levels (this
+    machine's times pick 1 at this size), the MGRIT run that follows a choice."""
     import json
-    assert json.loads(proc.stdout)["levels"] == levels
+    import re
+    runs = {"dense": (["-m", "mgnn"], SMALL + ["--layers", "32", "--cf", "2"]),
+            "gru": (["-m", "mgnn"], ["--model", "gru", "--data", "sine", "--seq-len", "16",
+                                     "--width", "8", "--batch-size", "16", "--no-progress",
+                                     "--limit-train", "64", "--limit-test", "32"]),
+            # (the module: mgnn.mgrit's attribute 'hierarchy' is the function of that name)
+            "forced": (["-c", "import sys, importlib; h = importlib.import_module("
+                              "'mgnn.mgrit.hierarchy'); h.auto_levels = "
+                              "lambda *a, **k: (3, {1: 90.0, 2: 50.0, 3: 40.0}); "
+                              "from mgnn.__main__ import main; sys.exit(main(sys.argv[1:]))"],
+                       SMALL + ["--layers", "32", "--cf", "2"])}
+    for name, (main, args) in runs.items():
+        proc = subprocess.run([MPIEXEC, "-n", "2", sys.executable, *main, "train", *args,
+                               "--epochs", "1", "--levels", "auto", "--json"], cwd=REPO,
+                              env=ENV, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, (name, proc.stderr)
+        m = re.search(r"--levels auto: (\d+) \(critical path in forward steps per level "
+                      r"count: 1: \d+, 2: \d+", proc.stderr)
+        assert m, (name, proc.stderr)
+        levels = int(m.group(1))
+        assert ("MGRIT: levels" in proc.stderr) == (levels > 1), (name, proc.stderr)
+        assert json.loads(proc.stdout)["levels"] == levels
+        if name == "forced":
+            assert levels == 3 and "MGRIT: levels [32, 16, 8] (intervals), cf 2" in proc.stderr
 
 
 def test_levels_auto_on_one_layer_rank_is_layer_by_layer(capsys):
