@@ -275,7 +275,7 @@ def test_the_planner_picks_the_fastest_setting_within_the_gradient_budget(tmp_pa
     cfg = default_config(**dict(CFG, n_layers=16))
     table = calibrate(cfg, repeats=1, layers=16, log=None)
     rows, errors = plan(cfg, table, 4, grad_tol=0.05, cycles=((2, 1), (3, 2)), data=(1, 2),
-                        micro=(2,), log=None)
+                        micro=(2,), log=None, top=50)  # (every candidate)
     assert rows[-1]["method"] == "serial"
     times = [r["time_s"] for r in rows[:-1]]
     assert times == sorted(times) and len(rows) >= 3
@@ -287,6 +287,12 @@ def test_the_planner_picks_the_fastest_setting_within_the_gradient_budget(tmp_pa
         assert 0 < r["bound_s"] < r["time_s"]
     # an error of 0 for the exact methods, a real one for MGRIT (not zero: a few cycles)
     assert all(0 < e < float("inf") for e in errors.values())
+    # layer by layer over every split, data-parallel alone (4 replicas) among them: exact
+    lw = {r["data"]: r for r in rows if r["method"] == "layerwise"}
+    assert all(r["grad_error"] == 0.0 for r in lw.values())
+    assert set(lw) == {1, 2, 4}  # (data=(1, 2) and P)
+    assert train_command(cfg, lw[4]).endswith("--layer-ranks 1 --data-ranks 4 --levels 1")
+    assert all(r["ranks"] // r["data"] > 1 for r in mg)  # no MGRIT on one layer rank
     cmd = train_command(cfg, mg[0])
     assert cmd.startswith("mpiexec -n 4 python -m mgnn train --model dense --width 8")
     assert f"--levels {mg[0]['levels']} --cf {mg[0]['cf']}" in cmd

@@ -1171,8 +1171,9 @@ def plan(cfg, table, P, grad_tol=0.1, cfs=(2, 4), cycles=((2, 1), (3, 2), (4, 3)
     """The fastest predicted training steps of ``cfg``'s network on P ranks: MGRIT over layer
     ranks x data replicas (``data``), cf (``cfs``), every level count the layers allow and the
     fewest cycles (``cycles``) whose gradient error (:func:`gradient_errors`) is within
-    ``grad_tol``; the pipeline over ``micro`` x ``data`` (exact gradients); serial and layer-wise
-    for reference. Returns (rows sorted by predicted time, the gradient errors)."""
+    ``grad_tol``; the pipeline over ``micro`` x ``data`` and layer by layer (``train --levels
+    1``) over ``data`` and P data replicas alone (exact gradients); serial for reference.
+    Returns (rows sorted by predicted time, the gradient errors)."""
     from ..mgrit import level_sizes
     N, B = cfg["n_layers"], cfg["batch"]
     if errors is None:
@@ -1184,17 +1185,21 @@ def plan(cfg, table, P, grad_tol=0.1, cfs=(2, 4), cycles=((2, 1), (3, 2), (4, 3)
     model = build_model(cfg)
     rows = [dict(method="serial", ranks=1, data=1, time_s=_point(cfg, table, "serial", 1, 1,
                                                                    cores, model)["time"])]
-    for d in data:
-        if P % d or B % d or P // d < 1:
+    for d in sorted(set(data) | {P}):  # (P: data-parallel alone)
+        if P % d or B % d or P // d < 1 or (d == P == 1):
             continue
         Pl, c = P // d, dict(cfg, data_ranks=d)
-        for M in micro:
+        if Pl <= N:  # layer by layer over Pl layer ranks, each replica its shard
+            r = _point(c, table, "layerwise", P, 1, cores, model)
+            rows.append(dict(method="layerwise", ranks=P, data=d, time_s=r["time"],
+                             grad_error=0.0))
+        for M in micro if cfg["model"] != "gru" else ():  # (no pipeline over shared weights)
             if M <= B // d and 1 < Pl <= N:
                 r = _point(c, table, "pipeline", P, M, cores, model)
                 rows.append(dict(method="pipeline", ranks=P, data=d, micro=M, time_s=r["time"],
                                  grad_error=0.0))
         for cf in cfs:
-            if Pl > -(-N // cf):
+            if Pl > -(-N // cf) or Pl == 1:  # (MGRIT on one layer rank: more work, no gain)
                 continue
             for L in range(2, len(level_sizes(N, cf, 99, 2)) + 1):
                 ok = [(f, b) for f, b in cycles if errors.get((cf, L, f, b), math.inf) <= grad_tol]
@@ -1228,6 +1233,9 @@ def train_command(cfg, row):
         return (f"{head} --layer-ranks {row['ranks'] // row['data']} --data-ranks {row['data']} "
                 f"--levels {row['levels']} --cf {row['cf']} --fwd-iters {row['fwd_iters']} "
                 f"--bwd-iters {row['bwd_iters']} --skip-downcycle")
+    if row["method"] == "layerwise":
+        return (f"{head} --layer-ranks {row['ranks'] // row['data']} --data-ranks {row['data']} "
+                "--levels 1")
     if row["method"] == "pipeline":
         return (f"(train has no pipeline mode: mgnn.studies.pipeline.PipelineParallel(model, comm, "
                 f"micro_batches={row['micro']}, data_ranks={row['data']}) on {row['ranks']} "
