@@ -2,10 +2,10 @@
 """One-shot GPU check of mgnn: environment, GPU tests, benchmarks and the CLI, in one table.
 
 Run it on a machine with a CUDA GPU (an H200 session has about 15 minutes of device time; this
-script plans for at most ``--budget`` seconds, default 420, and a watchdog ends it at budget + 45 s
+script plans for at most ``--budget`` seconds, default 480, and a watchdog ends it at budget + 45 s
 whatever happens, still printing the table)::
 
-    python scripts/gpu_check.py --out $OUT/gpu_check.json          # full run (~4-7 min)
+    python scripts/gpu_check.py --out $OUT/gpu_check.json          # full run (~5-8 min)
     python scripts/gpu_check.py --quick --skip-tests --skip-cli    # benchmarks only (~1-2 min)
     python scripts/gpu_check.py --emulate --out /tmp/x.json        # no GPU: the same code paths on
                                                                    # the CPU at tiny sizes
@@ -26,6 +26,9 @@ Sections (each check guarded: an exception becomes a FAIL row and the rest still
              forward + backward on the same device, and RawKernel launches per step;
           d. (section 4 in the table) ``python -m mgnn train --backend cuda`` on one GPU and under
              ``mpiexec -n 2 ... --layer-ranks 2``.
+5. cpu    the predictor against real ``mpiexec -n P`` MGRIT steps on the machine's cores
+          (``scripts/validate_predictor.py``: P = 4, 8, 16 as the cores allow, 2 and 8 layers per
+          rank, 3 and 5 levels, dense w 64 B 128): one row per point, PASS within 25 %.
 
 Statuses: PASS, FAIL (an error, or a wrong result), MISS (ran, but a performance target was not
 met), INFO (measured, no target), SKIP. The exit code is 1 if any check FAILed (``--strict``: or
@@ -56,8 +59,9 @@ from dataclasses import dataclass, field
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 #: Table sections, in print order.
-SECTIONS = ("env", "tests", "bench", "cli")
-SECTION_TITLES = {"env": "1 env", "tests": "2 tests", "bench": "3 bench", "cli": "4 cli"}
+SECTIONS = ("env", "tests", "bench", "cli", "cpu")
+SECTION_TITLES = {"env": "1 env", "tests": "2 tests", "bench": "3 bench", "cli": "4 cli",
+                  "cpu": "5 cpu"}
 
 T0 = time.perf_counter()
 _LOG_LOCK = threading.Lock()
@@ -209,7 +213,7 @@ class Setup:
     numba_threads: object     # threads per block of the Numba CUDA kernels (None: keep)
     train: dict               # n_layers, width, batch, cf
     cleanup: object = field(default=lambda: None)
-    budget: float = 420.0
+    budget: float = 480.0
 
     def remaining(self):
         return self.budget - (time.perf_counter() - T0)
@@ -1032,6 +1036,65 @@ def section_cli(rep, st, args):
 
 
 # ---------------------------------------------------------------------------------------------
+# 5. the predictor against real mpiexec runs on this machine's cores
+# ---------------------------------------------------------------------------------------------
+
+#: ``scripts/validate_predictor.py``'s grid on the GPU machine (its 16 cores: one per rank)
+CPU_GRID = ("--per-rank", "2,8", "--levels", "3,5", "--repeats", "5")
+
+
+def section_cpu(rep, st, args, grid=CPU_GRID):
+    """``scripts/validate_predictor.py`` at P = 4, 8, 16 (those the cores allow, one core per
+    rank), within the time budget; one row per measured point (PASS: prediction within 25 %)."""
+    import shutil
+    S, ID, CHECK = "cpu", "cpu.validate", "predictor vs mpiexec (validate_predictor.py)"
+    if args.skip_cpu or (st.emulated and not args.cpu_ranks):
+        return rep.skip(ID, S, CHECK, "--skip-cpu" if args.skip_cpu else "emulated run")
+    cores = os.cpu_count() or 1
+    ranks = [P for P in (args.cpu_ranks or (4, 8, 16)) if P <= cores]
+    if not ranks:
+        return rep.skip(ID, S, CHECK, f"{cores} cores: no P of 4, 8, 16 has a core per rank")
+    if shutil.which("mpiexec", path=os.path.dirname(sys.executable)) is None and \
+            shutil.which("mpiexec") is None:
+        return rep.skip(ID, S, CHECK, "no mpiexec next to the interpreter or on PATH")
+    timeout = _budgeted(st, args.cpu_timeout, reserve=15)
+    if timeout is not None and timeout < 60:
+        timeout = None  # (calibration alone takes ~20 s: too little for a point)
+    if timeout is None:
+        return rep.skip(ID, S, CHECK, "time budget used up")
+    out = tempfile.mkdtemp(prefix="gpu_check_cpu.")
+    cmd = [sys.executable, os.path.join(REPO, "scripts", "validate_predictor.py"),
+           "--ranks", ",".join(map(str, ranks)), *grid, "--out", out,
+           "--budget", f"{max(timeout - 40, 10):.0f}"]
+
+    def run():
+        env = child_env()
+        res = run_cmd(cmd, timeout, env=env)
+        try:
+            with open(os.path.join(out, "validate_grid.json")) as fh:
+                doc = json.load(fh)
+        except (OSError, ValueError):
+            doc = None
+        if doc is None or not doc["rows"]:
+            why = "timed out" if res.timed_out else f"rc {res.rc}"
+            raise RuntimeError(f"no point measured ({why}): {res.error()}")
+        for r in doc["rows"]:
+            err = r["error"]
+            rep.add(f"cpu.P{r['ranks']}.n{r['layers_per_rank']}.L{r['levels']}", S,
+                    f"P={r['ranks']} ({r['layers_per_rank']} layers/rank, {r['levels']} levels)"
+                    f"{' oversubscribed' if r['oversubscribed'] else ''}", value=err,
+                    display=f"measured {1e3 * r['measured_s']:.3f} ms, predicted "
+                    f"{1e3 * r['predicted_s']:.3f} ms ({100 * err:+.1f}%), bound "
+                    f"{1e3 * r['bound_s']:.3f} ms", target="|error| <= 25%",
+                    status="PASS" if abs(err) <= 0.25 else "MISS", detail=json.dumps(r))
+        if doc.get("not_measured"):
+            rep.add(ID, S, CHECK, display=f"{len(doc['not_measured'])} points not measured "
+                    f"(time budget)", status="INFO")
+
+    guarded(rep, ID, S, CHECK, run)
+
+
+# ---------------------------------------------------------------------------------------------
 # main
 # ---------------------------------------------------------------------------------------------
 
@@ -1046,11 +1109,18 @@ def parse_args(argv=None):
                    help="no GPU: cuda-emulated backend, NumPy, Numba CUDA simulator, tiny sizes")
     p.add_argument("--strict", action="store_true", help="a missed performance target also "
                    "makes the exit code 1")
-    p.add_argument("--budget", type=float, default=420.0,
+    p.add_argument("--budget", type=float, default=480.0,
                    help="seconds the run plans for (subprocess timeouts shrink to fit; a watchdog "
-                        "ends the run at budget + 45 s; default 420)")
+                        "ends the run at budget + 45 s; default 480)")
     p.add_argument("--tests-timeout", type=float, default=240.0, help="pytest timeout (s)")
     p.add_argument("--cli-timeout", type=float, default=120.0, help="timeout per CLI run (s)")
+    p.add_argument("--skip-cpu", action="store_true",
+                   help="skip the CPU section (the predictor against real mpiexec runs)")
+    p.add_argument("--cpu-timeout", type=float, default=150.0,
+                   help="timeout of the CPU section (s)")
+    p.add_argument("--cpu-ranks", type=lambda t: tuple(int(v) for v in t.split(",")),
+                   default=None, help="P of the CPU section (default 4,8,16 as cores allow; "
+                   "given, it also runs when emulated)")
     return p.parse_args(argv)
 
 
@@ -1125,6 +1195,7 @@ def main(argv=None):
     section_bench(rep, st, args)   # first: in-process, the most wanted numbers
     section_tests(rep, st, args)   # subprocesses: isolated from any device error above
     section_cli(rep, st, args)
+    section_cpu(rep, st, args)     # what is left: the one place P = 16 has a core per rank
     return finish(rep, args)
 
 

@@ -8,7 +8,9 @@ see :func:`mgnn.studies.predict.calibrate`), as a user calibrates before predict
 
     python scripts/validate_predictor.py --out results/validate_grid
 
-writes ``validate_grid.json`` and ``validate_grid.md`` (the table) under ``--out``.
+writes ``validate_grid.json`` and ``validate_grid.md`` (the table) under ``--out``, again
+after every point (a run ended early keeps what it measured); ``--budget S`` starts no point
+after S seconds. ``scripts/gpu_check.py`` runs it on the GPU machine's 16 cores.
 """
 import argparse
 import json
@@ -40,6 +42,8 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--costs", default=None, help="a cost table to use instead of calibrating")
     ap.add_argument("--out", default="results/validate_grid")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="seconds: start no point after them (default: every point)")
     args = ap.parse_args(argv)
     configure_threads(None, 1)  # as the measured ranks (NUMBA_NUM_THREADS=1)
     cfg = default_config(n_layers=args.calibration_layers, width=args.width, batch=args.batch,
@@ -56,22 +60,35 @@ def main(argv=None):
     for P, n, L, why in points:
         if why:
             print(f"  not runnable: P={P}, {n} layers/rank, {L} levels: {why}")
-    rows = validate_grid(cfg, table, points, repeats=args.repeats)
+    rows, left = [], [p for p in points if not p[3]]
+    while left:
+        if args.budget is not None and time.perf_counter() - t0 > args.budget:
+            print(f"budget of {args.budget:.0f} s used: {len(left)} points not measured")
+            break
+        rows += validate_grid(cfg, table, [left.pop(0)], repeats=args.repeats)
+        _write(args, rows, points, left, t0, quiet=True)
+    _write(args, rows, points, left, t0)
+    return rows
+
+
+def _write(args, rows, points, left, t0, quiet=False):
+    """The table (printed unless ``quiet``) and the JSON under ``args.out``, atomically."""
     text = format_validation_grid(rows)
     worst = max((abs(r["error"]) for r in rows), default=0.0)
     worst_free = max((abs(r["error"]) for r in rows if not r["oversubscribed"]), default=0.0)
     summary = (f"dense w={args.width}, B={args.batch}, cf {args.cf}, {args.fwd_iters}/"
                f"{args.bwd_iters} cycles, {_cores()} cores; largest error {100 * worst:.1f}% "
                f"(not oversubscribed: {100 * worst_free:.1f}%)")
-    print(text)
-    print(summary)
+    if not quiet:
+        print(text)
+        print(summary)
     _write_text(os.path.join(args.out, "validate_grid.md"), text + "\n\n" + summary + "\n")
     _write_text(os.path.join(args.out, "validate_grid.json"), json.dumps(
         {"args": vars(args), "cores": _cores(), "rows": rows,
-         "skipped": [p for p in points if p[3]], "seconds": time.perf_counter() - t0},
-        indent=1))
-    print(f"wrote {args.out}/validate_grid.md, validate_grid.json")
-    return rows
+         "skipped": [p for p in points if p[3]], "not_measured": [list(p) for p in left],
+         "seconds": time.perf_counter() - t0}, indent=1))
+    if not quiet:
+        print(f"wrote {args.out}/validate_grid.md, validate_grid.json")
 
 
 if __name__ == "__main__":

@@ -182,3 +182,38 @@ def test_missing_mpiexec_is_a_skip_not_a_failure(monkeypatch):
     assert rows["cli.single"]["status"] == "PASS", rows["cli.single"]
     assert rows["cli.mpi2"]["status"] == "SKIP" and "mpiexec" in rows["cli.mpi2"]["detail"]
     assert not any("mpiexec" in str(c) for c in ran)
+
+
+@pytest.mark.mpi
+def test_the_cpu_section_measures_real_mpiexec_points(tmp_path):
+    """Section 5 as the GPU machine runs it, at tiny sizes on P = 2 here (its 16 cores run
+    P = 4, 8, 16): scripts/validate_predictor.py under real mpiexec, one row per measured
+    point with the measured, predicted and bound times and PASS/MISS against 25 %; P beyond
+    the cores and a used-up budget are skips, not failures."""
+    import shutil
+    gc = _load()
+    if shutil.which("mpiexec", path=os.path.dirname(sys.executable)) is None:
+        pytest.skip("mpiexec not installed")
+    st = gc.Setup(emulated=True, backend="cuda-emulated", xp=np, sync=lambda: None, repeats=1,
+                  warmup=0, min_time=0.0, dense=(8, 8), mem_elems=64, numba_threads=None,
+                  train=dict(n_layers=16, width=8, batch=8, cf=4), budget=600)
+    grid = ("--per-rank", "4", "--levels", "3", "--repeats", "3", "--width", "8", "--batch",
+            "8", "--calibration-layers", "16")
+    rep = gc.Report(str(tmp_path / "r.json"), {"mode": "test"})
+    gc.section_cpu(rep, st, gc.parse_args(["--cpu-ranks", "2"]), grid=grid)
+    rows = {r["id"]: r for r in rep.rows}
+    row = rows["cpu.P2.n4.L3"]
+    assert row["status"] in ("PASS", "MISS") and row["target"] == "|error| <= 25%"
+    assert row["status"] == ("PASS" if abs(row["value"]) <= 0.25 else "MISS")
+    got = json.loads(row["detail"])
+    assert got["measured_s"] > 0 and 0 < got["bound_s"] < got["predicted_s"]
+    rep = gc.Report(None, {"mode": "test"})
+    gc.section_cpu(rep, st, gc.parse_args(["--cpu-ranks", "4096"]), grid=grid)
+    assert rep.rows[0]["status"] == "SKIP" and "cores" in rep.rows[0]["detail"]
+    rep = gc.Report(None, {"mode": "test"})
+    gc.section_cpu(rep, st, gc.parse_args([]), grid=grid)  # emulated, no --cpu-ranks
+    assert rep.rows[0]["status"] == "SKIP" and rep.rows[0]["detail"] == "emulated run"
+    st.budget = 0.0
+    rep = gc.Report(None, {"mode": "test"})
+    gc.section_cpu(rep, st, gc.parse_args(["--cpu-ranks", "2"]), grid=grid)
+    assert rep.rows[0]["status"] == "SKIP" and "budget" in rep.rows[0]["detail"]
