@@ -413,6 +413,9 @@ def child_env():
         # (seen on the H200 image: Debian Open MPI 4.1.6); MPICH ignores them
         env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
         env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    # Open MPI counts physical cores as slots: a VM's hardware threads count too (the CPU
+    # section runs mpiexec -n 16 on 16 logical CPUs); MPICH ignores it
+    env.setdefault("OMPI_MCA_hwloc_base_use_hwthreads_as_cpus", "1")
     return env
 
 
@@ -1050,10 +1053,14 @@ def section_cpu(rep, st, args, grid=CPU_GRID):
     S, ID, CHECK = "cpu", "cpu.validate", "predictor vs mpiexec (validate_predictor.py)"
     if args.skip_cpu or (st.emulated and not args.cpu_ranks):
         return rep.skip(ID, S, CHECK, "--skip-cpu" if args.skip_cpu else "emulated run")
-    cores = os.cpu_count() or 1
-    ranks = [P for P in (args.cpu_ranks or (4, 8, 16)) if P <= cores]
+    from mgnn.studies.predict import _cores
+    cores = _cores()  # (this process's CPUs: affinity, as the validation counts them)
+    wanted = args.cpu_ranks or (4, 8, 16)
+    # the largest P first: the points nothing else can measure, before the budget runs out
+    ranks = sorted((P for P in wanted if P <= cores), reverse=True)
     if not ranks:
-        return rep.skip(ID, S, CHECK, f"{cores} cores: no P of 4, 8, 16 has a core per rank")
+        return rep.skip(ID, S, CHECK, f"{cores} cores: no P of {', '.join(map(str, wanted))} "
+                        "has a core per rank")
     if shutil.which("mpiexec", path=os.path.dirname(sys.executable)) is None and \
             shutil.which("mpiexec") is None:
         return rep.skip(ID, S, CHECK, "no mpiexec next to the interpreter or on PATH")
@@ -1075,9 +1082,17 @@ def section_cpu(rep, st, args, grid=CPU_GRID):
                 doc = json.load(fh)
         except (OSError, ValueError):
             doc = None
-        if doc is None or not doc["rows"]:
+        if doc is None or not (doc["rows"] or doc.get("failed")):
             why = "timed out" if res.timed_out else f"rc {res.rc}"
             raise RuntimeError(f"no point measured ({why}): {res.error()}")
+        for f in doc.get("failed", []):
+            P, n, L = f["point"]
+            rep.add(f"cpu.P{P}.n{n}.L{L}", S, f"P={P} ({n} layers/rank, {L} levels)",
+                    display=f["error"], target="|error| <= 25%", status="FAIL",
+                    detail=f["error"])
+        if res.timed_out or (res.rc != 0 and not doc.get("failed")):
+            msg = ("timed out" if res.timed_out else f"rc {res.rc}") + f": {res.error()}"
+            rep.add(ID, S, CHECK, display=msg, status="FAIL", detail=msg)
         for r in doc["rows"]:
             err = r["error"]
             rep.add(f"cpu.P{r['ranks']}.n{r['layers_per_rank']}.L{r['levels']}", S,

@@ -60,18 +60,24 @@ def main(argv=None):
     for P, n, L, why in points:
         if why:
             print(f"  not runnable: P={P}, {n} layers/rank, {L} levels: {why}")
-    rows, left = [], [p for p in points if not p[3]]
+    rows, left, failed = [], [p for p in points if not p[3]], []
     while left:
         if args.budget is not None and time.perf_counter() - t0 > args.budget:
             print(f"budget of {args.budget:.0f} s used: {len(left)} points not measured")
             break
-        rows += validate_grid(cfg, table, [left.pop(0)], repeats=args.repeats)
-        _write(args, rows, points, left, t0, quiet=True)
-    _write(args, rows, points, left, t0)
-    return rows
+        point = left.pop(0)
+        try:
+            rows += validate_grid(cfg, table, [point], repeats=args.repeats)
+        except Exception as exc:  # noqa: BLE001 -- one failed point: recorded, the rest runs
+            print(f"  P={point[0]} {point[1]} layers/rank {point[2]} levels failed: "
+                  f"{type(exc).__name__}: {exc}")
+            failed.append({"point": list(point[:3]), "error": f"{type(exc).__name__}: {exc}"})
+        _write(args, rows, points, left, t0, failed, quiet=True)
+    _write(args, rows, points, left, t0, failed)
+    return rows if not failed else None
 
 
-def _write(args, rows, points, left, t0, quiet=False):
+def _write(args, rows, points, left, t0, failed, quiet=False):
     """The table (printed unless ``quiet``) and the JSON under ``args.out``, atomically."""
     text = format_validation_grid(rows)
     worst = max((abs(r["error"]) for r in rows), default=0.0)
@@ -86,6 +92,7 @@ def _write(args, rows, points, left, t0, quiet=False):
     _write_text(os.path.join(args.out, "validate_grid.json"), json.dumps(
         {"args": vars(args), "cores": _cores(), "rows": rows,
          "skipped": [p for p in points if p[3]], "not_measured": [list(p) for p in left],
+         "failed": failed,
          "seconds": time.perf_counter() - t0}, indent=1))
     if not quiet:
         print(f"wrote {args.out}/validate_grid.md, validate_grid.json")

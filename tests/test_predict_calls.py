@@ -426,12 +426,29 @@ def test_a_cost_only_gru_step_charges_every_kernel_and_runs_none(monkeypatch):
     for method in ("serial", "mgrit"):  # (the patch holds: a real step runs into it)
         with pytest.raises(AssertionError, match="a recurrent kernel ran"):
             _trainer(method, model, None, cfg).loss_and_grad(x, y)
+    # the batch's input projection (every step's x W_ih0^T: every rank, once per batch) is an
+    # op of its own, charged once per training step: made to cost ~1 s, each step costs that
+    # much more (priced at the step's input shape, scaled from the calibrated ones)
+    assert any(k.startswith("input_projection|") for k in table.entries)
+    slow = CostTable({k: ((0.0, 1.0) if k.startswith("input_projection|") else ab)
+                      for k, ab in table.entries.items()}, table.overhead, table.alpha,
+                     table.beta)
+    shape = (8, 32, 4)  # (B, L, I)
+    one = (slow.seconds("input_projection", shape, "float32", 1) -
+           table.seconds("input_projection", shape, "float32", 1))
+    assert one >= 1.0
     for method, P in (("serial", 1), ("mgrit", 1), ("mgrit", 2), ("layerwise", 2)):
         a = predict_point(cfg, table, method, P)
         b = predict_point(cfg, table, method, P)
         assert a["time"] == b["time"] > 0, (method, P)
         if method == "mgrit":
             assert 0 < a["bound"] < a["time"]
+        extra = predict_point(cfg, slow, method, P)["time"] - a["time"]
+        if P == 1:
+            assert abs(extra - one) < 1e-3 * one, (method, P, extra, one)
+        else:  # every rank computes it when its first forward kernel needs it: in parallel,
+            # or (as the real code orders it) after a wait for the previous rank's
+            assert one * (1 - 1e-3) < extra < 2 * one * (1 + 1e-3), (method, P, extra, one)
 
 
 def test_gru_predictions_have_no_pipeline(capsys):

@@ -1226,7 +1226,9 @@ def train_command(cfg, row):
     """The ``mpiexec ... python -m mgnn train`` line of a planned row."""
     net = {"dense": f"--model dense --width {cfg['width']} --layers {cfg['n_layers']}",
            "conv": f"--model conv --channels {cfg['channels']} --layers {cfg['n_layers']}",
-           "gru": f"--model gru --width {cfg['width']} --seq-len {cfg['n_layers']}"}[cfg["model"]]
+           # (sine: one input feature per step; the prediction's GRU reads in_features)
+           "gru": f"--model gru --data sine --width {cfg['width']} --seq-len {cfg['n_layers']}"
+           }[cfg["model"]]
     head = (f"mpiexec -n {row['ranks']} python -m mgnn train {net} "
             f"--batch-size {cfg['batch']} --dtype {cfg['dtype']}")
     if row["method"] == "mgrit":
@@ -1252,6 +1254,8 @@ def format_plan(rows, cfg, P, grad_tol):
             what = f"cf {r['cf']}, {r['levels']} levels, {r['fwd_iters']}/{r['bwd_iters']}"
         elif r["method"] == "pipeline":
             what = f"M = {r['micro']}"
+        elif r["method"] == "layerwise":
+            what = "levels 1"
         else:
             what = ""
         split = f"{r['ranks'] // r['data']} x {r['data']}"
