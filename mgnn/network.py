@@ -199,6 +199,8 @@ class LayerParallel:
         self.block_work = list(work_per_block)
         lo, hi = self.partition.fine_range(self.layout.layer_rank)
         self.layers = range(lo, min(hi, N))
+        if self.layout.layer_size > 1:  # sequence models project the inputs of these steps only
+            self.ctx.steps = (self.layers.start, self.layers.stop)
         self._owned = None  # built on first use (a bool per parameter entry)
         self.stats = {}
         self._previous_states = None

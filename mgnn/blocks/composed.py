@@ -47,6 +47,9 @@ class StepContext:
         self.training, self.step, self.sample0 = training, step, sample0
         self.seed, self.buffers, self.replicas = seed, buffers, replicas
         self.x, self.memo = None, {}
+        #: (lo, hi): the time steps whose inputs this rank's steps read (a layer rank's block;
+        #: sequence models project only those), or None: every step
+        self.steps = None
 
     def begin(self, x):
         """A new call on the input batch ``x`` (per-step inputs of sequence models): forget what

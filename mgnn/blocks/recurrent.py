@@ -113,13 +113,23 @@ class RecurrentStep:
 
     def _input_projection(self, P, ctx):
         """x_t W_ih0^T + b_ih0 for every step t: (B, L, G H), one GEMM per call (memoised in
-        the context, which the caller resets with each new batch)."""
+        the context, which the caller resets with each new batch). Where ``ctx.steps`` = (lo,
+        hi) (a layer rank's block of time steps) only those rows are computed, the others NaN:
+        each rank projects its own steps, not the whole sequence."""
         gi = ctx.memo.get("gi0")
         if gi is None:
             x = ctx.x
             B, L, I = x.shape
             W, b = P["weight_ih_l0"], P["bias_ih_l0"]
-            gi = ctx.memo["gi0"] = (x.reshape(B * L, I) @ W.T + b).reshape(B, L, -1)
+            lo, hi = getattr(ctx, "steps", None) or (0, L)
+            if lo <= 0 and hi >= L:
+                gi = (x.reshape(B * L, I) @ W.T + b).reshape(B, L, -1)
+            else:
+                xp = _xp(x)
+                gi = xp.full((B, L, W.shape[0]), np.nan, dtype=W.dtype)
+                gi[:, lo:hi] = (xp.ascontiguousarray(x[:, lo:hi]).reshape(B * (hi - lo), I)
+                                @ W.T + b).reshape(B, hi - lo, -1)
+            ctx.memo["gi0"] = gi
         return gi
 
     def _gates_forward(self, gi, gh, h, dt, mode, bk):

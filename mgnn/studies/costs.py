@@ -267,10 +267,18 @@ def _context(args):
     return next((a for a in args if isinstance(a, StepContext)), None)
 
 
+def _projected(ctx):
+    """The shape (B, steps, I) of the inputs a rank projects: its block's steps
+    (``ctx.steps``) or the whole sequence."""
+    B, L, I = ctx.x.shape
+    lo, hi = getattr(ctx, "steps", None) or (0, L)
+    return (B, min(hi, L) - max(lo, 0), I)
+
+
 def _timed_projection(base):
-    """A recurrent kind's ``_input_projection`` (x W_ih0^T + b for every step of the batch,
-    once per batch) timed as the op ``input_projection`` of the inputs' shape (B, L, I), not
-    as part of the method that first needs it."""
+    """A recurrent kind's ``_input_projection`` (x W_ih0^T + b for the steps a rank owns,
+    once per batch) timed as the op ``input_projection`` of the projected inputs' shape
+    (B, steps, I), not as part of the method that first needs it."""
     def method(self, P, ctx):
         if "gi0" in ctx.memo:
             return base(self, P, ctx)
@@ -278,7 +286,7 @@ def _timed_projection(base):
         out = base(self, P, ctx)
         seconds = time.perf_counter() - t0
         self._excluded += seconds
-        self._costs.add("input_projection", tuple(ctx.x.shape), self._dtype, 1, seconds)
+        self._costs.add("input_projection", _projected(ctx), self._dtype, 1, seconds)
         return out
     method.__name__ = "_input_projection"
     return method
@@ -290,8 +298,8 @@ def _charged_step(name):
             ctx = _context(args)
             if ctx is not None and "gi0" not in ctx.memo:
                 ctx.memo["gi0"] = "charged"  # (values never matter in a cost-only run)
-                charge(*self._costs.charges("input_projection", tuple(ctx.x.shape),
-                                            self._dtype, 1, missing=0.0))
+                charge(*self._costs.charges("input_projection", _projected(ctx), self._dtype,
+                                            1, missing=0.0))
         op, shape, k = _call_shape(name, args, kwargs)
         if name == "run_tape":  # the replay's own cost (a + c rows) plus its rows' kernels
             seconds = self._costs.seconds(op, shape, self._dtype, k, self._method, missing=0.0)

@@ -137,3 +137,24 @@ def test_coarse_study_converges_and_implicit_is_faster_at_cf4():
             assert len(res) == 4 and all(b < a for a, b in zip(res, res[1:]))
     assert by["implicit"]["forward"][-1] < by["rediscretise"]["forward"][-1]
     assert "| 64 | 4 | implicit |" in format_gru_coarse(rows)
+
+
+def test_a_layer_rank_projects_the_inputs_of_its_own_steps_only():
+    """ctx.steps = (lo, hi) (LayerParallel sets a layer rank's block): the input projection
+    holds those rows as the whole sequence's would, the others NaN (a step outside would show);
+    None: every step."""
+    from mgnn import gru_classifier
+    from mgnn.blocks.composed import StepContext
+    model = gru_classifier(3, 4, 2, 10, dtype="float64", seed=0)
+    P = model.step_params()
+    x = np.random.default_rng(0).standard_normal((5, 10, 3))
+    full, part = StepContext(buffers={}), StepContext(buffers={})
+    full.begin(x)
+    part.begin(x)
+    part.steps = (3, 7)
+    whole = model.step._input_projection(P, full)
+    mine = model.step._input_projection(P, part)
+    assert mine.shape == whole.shape == (5, 10, 12)
+    np.testing.assert_array_equal(mine[:, 3:7], whole[:, 3:7])
+    assert np.isnan(mine[:, :3]).all() and np.isnan(mine[:, 7:]).all()
+    assert np.isfinite(whole).all()
