@@ -446,6 +446,8 @@ class LayerParallel:
                 Uf, first = self.xp.stack([U[n] for n in owned] or [st.template]), 0
             st.D = m.step.linearize_stacked(steps, Uf, first, len(owned), lo, bk, self.ctx,
                                             self._reused, done)
+            if m.step.buffer_shapes():  # batch norm's running statistics (composed kinds)
+                self._commit_buffers(owned, st.D)
         elif not m.step.fused:
             st.D = [None] * N
             # the final sweep's (composed kinds: all but the steps into C-points)
@@ -540,7 +542,8 @@ class LayerParallel:
                 return lam[hi][None], 0, 0, len(rest)
             parts = [(L, N - lo - a_l, -1, n_ready)] + ([halo_part] if rest else [])
             m.step.vjp_params_stacked_layers(steps, parts, D, bk, self.ctx,
-                                             grads.group(m.step_prefix), self._reused)
+                                             grads.group(m.step_prefix), self._reused,
+                                             h=m.dtype.type(m.h))
             t0 += waited[0]  # the wait is halo time, not step time
             groups = ()
         elif st.stacked and st.adj_store is not None:
@@ -680,7 +683,7 @@ class LayerParallel:
         # composed kinds: the level-0 steps keep their linearisation caches; those of the last
         # sweep (the final F-relaxation, or the one sequential sweep) are at the final states
         keep = (isinstance(m.step, ComposedStep) and isinstance(prop, ForwardPropagator)
-                and self.ctx.training)
+                and self.ctx.training and not prop._layered)
         prop.kept = {} if keep else None
         # fused kinds: the final sweep writes sigma' of the layers it steps (flagged in done)
         derivs = None

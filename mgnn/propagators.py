@@ -34,9 +34,9 @@ class ForwardPropagator:
         fused = self.kind.fused
         self.batched = fused and bool(getattr(bk, "batched_relaxation", False))
         self.fused_rhs = True  # step_batch adds the FAS rhs in the kernel's epilogue
-        # recurrent kinds: stacked kernels of their own (layer-indexed, shared weights)
-        self._layered = not fused and callable(getattr(self.kind, "chains_forward_layers",
-                                                       None)) and self.kind.can_stack(bk)
+        # recurrent and composed dense kinds: layer-indexed stacked kernels of their own
+        self._layered = (not fused and callable(getattr(self.kind, "chains_forward_layers", None))
+                         and self.kind.can_stack(bk, self.ctx))
         _set_engine_flags(self, fused, bk)
         self.replicas = {}
         # {layer n: linearisation cache} of the level-0 steps out of n while a dict (composed
@@ -180,9 +180,10 @@ class AdjointPropagator:
         fused = self.kind.fused
         self.batched = fused and bool(getattr(bk, "batched_relaxation", False))
         self.fused_rhs = True
-        # recurrent kinds: stacked adjoint kernels of their own, on a StackedLinearization D
-        self._layered = not fused and callable(getattr(self.kind, "chains_adjoint_layers",
-                                                       None)) and self.kind.can_stack_adjoint(bk)
+        # recurrent and composed dense kinds: stacked adjoint kernels of their own, on a
+        # stacked linearisation D (StackedLinearization, ComposedLinearization)
+        self._layered = (not fused and callable(getattr(self.kind, "chains_adjoint_layers", None))
+                         and self.kind.can_stack_adjoint(bk, self.ctx))
         _set_engine_flags(self, fused, bk)
         self.derivs, self.d0 = None, 0  # sigma' of layers d0, d0 + 1, ... as one array
         self.replicas = {}

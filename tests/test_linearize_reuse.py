@@ -35,6 +35,8 @@ class _NotComposed:
 
 def _steps(model, fwd, bwd, x, y, keep, monkeypatch, counts):
     with monkeypatch.context() as m:
+        # the block-by-block protocol (the stacked kernels' kept rows: the test below)
+        m.setattr(type(model.step), "can_stack", lambda self, bk, ctx=None: False)
         if not keep:
             m.setattr(network_module, "ComposedStep", _NotComposed)
         step = model.step
@@ -74,6 +76,46 @@ def test_kept_caches_give_the_same_training_steps_bit_for_bit(setting, monkeypat
         assert counts.get(True, 0) == 0
     else:  # only the layers that step into C-points are evaluated again
         assert counts[True] == 3 * (16 // fwd.cf)
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_stacked_composed_kinds_keep_the_final_sweeps_linearisation(setting, monkeypatch):
+    """Batch norm + dropout on the composed stacked kernels: the final sweep's rows kept (only
+    the layers stepping into C-points linearised again) give the training steps, running
+    statistics included, bit for bit of linearising every layer again."""
+    fwd, bwd = SETTINGS[setting]
+    rng = np.random.default_rng(4)
+    x, y = rng.standard_normal((6, 5)), rng.integers(0, 3, 6)
+    runs, missing = {}, {True: [], False: []}
+    for keep in (True, False):
+        model = mgnn.dense_resnet(5, 6, 3, 16, batch_norm=True, dropout=0.2, seed=2)
+        with monkeypatch.context() as m:
+            if not keep:
+                m.setattr(ForwardPropagator, "can_keep_derivs", lambda self: False)
+            original = ComposedStep.linearize_stacked
+
+            def counting(self, P, U, first, count, t0, bk, ctx, scratch, done=None, _k=keep):
+                missing[_k].append(count if done is None else int((done == 0).sum()))
+                return original(self, P, U, first, count, t0, bk, ctx, scratch, done)
+
+            m.setattr(ComposedStep, "linearize_stacked", counting)
+            lp = mgnn.LayerParallel(model, fwd, bwd, backend="numba", guard=None)
+            assert lp._solver("forward", lp.fwd).prop._layered
+            opt = mgnn.optim.SGD(model.params, lr=0.1)
+            out = []
+            for _ in range(3):
+                loss, g = lp.loss_and_grad(x, y)
+                out.append((loss, g.flat.copy(), model.buffers.flat.copy()))
+                opt.step(g)
+        runs[keep] = out
+    for (l1, g1, b1), (l2, g2, b2) in zip(runs[True], runs[False]):
+        assert l1 == l2
+        np.testing.assert_array_equal(g1, g2)
+        np.testing.assert_array_equal(b1, b2)
+    assert np.abs(runs[True][-1][2]).max() > 0  # the running statistics did move
+    assert missing[False] == [16] * 3
+    expect = 0 if fwd.max_levels == 1 else 16 // fwd.cf
+    assert missing[True] == [expect] * 3
 
 
 def _fused_steps(model, fwd, bwd, x, y, keep, monkeypatch, calls, **kw):

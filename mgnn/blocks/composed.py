@@ -19,6 +19,7 @@ import numbers
 import numpy as np
 
 from ..backend import activation_code, is_device_array
+from ..backend.counter_rng import _check as _counter_rng_check
 from ..backend.counter_rng import dropout_mask, dropout_threshold
 
 
@@ -279,6 +280,9 @@ class BatchNormAct(BatchNorm):
         BatchNorm.commit(self, buffers, n, cache[0])
 
 
+_NO_MASKS = np.empty((0, 1, 1), np.uint8)  # the composed kernels' masks without dropout
+
+
 def _has_bn_kernels(bk):
     from ..backend import BN_KERNELS
     return all(callable(getattr(bk, k, None)) for k in BN_KERNELS)
@@ -436,3 +440,242 @@ class ComposedStep:
         for blk, c in zip(self.blocks, cache):
             if callable(getattr(blk, "commit", None)) and c is not None:
                 blk.commit(buffers, n, c)
+
+    # ------------------------------------------ stacked kernels (dense composed steps, host)
+    # The layer-indexed stacked protocol of the recurrent kinds (mgnn.blocks.recurrent), on the
+    # backend's composed kernels (mgnn.backend.numba_cpu.composed): F = dropout(sigma(BN(u W^T +
+    # b))) with batch norm and dropout optional, in train mode (batch statistics) or eval mode
+    # (running statistics), without data-parallel statistics. Other compositions, conv affines
+    # and synchronised batch norm step one state per call (the propagators' stepped protocol).
+    def _pattern(self):
+        """(batch-norm block or None, activation code, dropout block or None) when the blocks
+        are a dense :class:`Affine`, :class:`BatchNormAct` or :class:`Activation`, then an
+        optional :class:`Dropout`; None for any other composition."""
+        blocks = self.blocks
+        if not (2 <= len(blocks) <= 3 and type(blocks[0]) is Affine and blocks[0]._k == "dense"):
+            return None
+        mid, drop = blocks[1], blocks[2] if len(blocks) == 3 else None
+        if drop is not None and type(drop) is not Dropout:
+            return None
+        if type(mid) is BatchNormAct:
+            return mid, mid.act, drop
+        if type(mid) is Activation:
+            return None, activation_code(mid.name), drop
+        return None
+
+    def can_stack(self, bk, ctx=None):
+        """Whether the stacked kernels run this composition on ``bk`` (host arrays; with batch
+        norm, not with data-parallel batch statistics in ``ctx``: those step one state per
+        call, with an allgather in each)."""
+        pattern = self._pattern()
+        return (pattern is not None and bool(getattr(bk, "composed_stacked", False))
+                and (pattern[0] is None or getattr(ctx, "replicas", None) is None))
+
+    def can_stack_adjoint(self, bk, ctx=None):
+        """The adjoint's stacked kernels: as :meth:`can_stack`."""
+        return self.can_stack(bk, ctx)
+
+    def can_keep_derivs(self, bk):
+        """A final sweep keeps its linearisation (:meth:`chains_forward_layers_keep`)."""
+        return bool(getattr(bk, "composed_stacked", False))
+
+    def can_replay(self, bk):
+        """No captured cycles (the relaxation runs through the engine)."""
+        return False
+
+    def kernel_args(self, P, ctx, state, bk):
+        """The layer tuple of the composed kernels (module docstring of
+        :mod:`mgnn.backend.numba_cpu.composed`) for parameters ``P`` under ``ctx``, for the
+        states of the store ``state`` (m, B, w)."""
+        bn_blk, act, drop = self._pattern()
+        W, b = P["weight"], P["bias"]
+        dt = state.dtype
+        empty = np.empty((0, W.shape[1]), dt)
+        gam = bet = rmu = rvar = empty
+        bn, eps = 0, dt.type(1)
+        if bn_blk is not None:
+            gam, bet, eps = P["bn_weight"], P["bn_bias"], dt.type(bn_blk.eps)
+            bn = 1 if ctx.training else 2
+            if not ctx.training:
+                rmu, rvar = ctx.buffers["running_mean"], ctx.buffers["running_var"]
+        thr, dscale = 0, dt.type(1)
+        if drop is not None and ctx.training and drop.threshold:
+            thr, dscale = drop.threshold, dt.type(1.0 / (1.0 - drop.p))
+        k0, k1, _, tstep, s0 = _counter_rng_check(ctx.seed, ctx.step, 0, ctx.sample0, 0, 0,
+                                                  thr)[:5]
+        masks, m_lo = self._batch_masks(W.shape[0], ctx, thr, (k0, k1, tstep, s0),
+                                        state.shape[1:], bk)
+        return (W, b, gam, bet, rmu, rvar, eps, act, bn, np.uint64(thr), dscale,
+                *(np.uint64(v) for v in (k0, k1, tstep, s0)), masks, m_lo)
+
+    @staticmethod
+    def _batch_masks(n_layers, ctx, thr, key, state_shape, bk):
+        """(uint8 keep masks (S, B, w) of the layers this rank steps (``ctx.steps``, else
+        all), their first layer): made once per batch and kept in ``ctx.memo`` until the next
+        ``ctx.begin``; an empty array without dropout."""
+        if not thr:
+            return _NO_MASKS, 0
+        lo, hi = ctx.steps if ctx.steps is not None else (0, n_layers)
+        tag = (thr, key, lo, hi, tuple(state_shape))
+        got = ctx.memo.get("composed masks")
+        if got is None or got[0] != tag:
+            masks = np.empty((hi - lo,) + tuple(state_shape), np.uint8)
+            bk.composed_masks(masks, lo, *key, thr)
+            got = ctx.memo["composed masks"] = (tag, masks)
+        return got[1], lo
+
+    def chains_forward_layers(self, P, U, G, chains, layer0, layer_step, h, bk, ctx):
+        """Stacked relaxation: along each chain U[i] = U[i - 1] + h F_t(U[i - 1]) (+ G[i]),
+        t = layer0 + i layer_step."""
+        bk.composed_chains_forward(U, G, chains, layer0, layer_step, h,
+                                   self.kernel_args(P, ctx, U, bk))
+
+    def kept_arrays(self, state_shape, count, dtype, scratch):
+        """(XH, DA, MK, IS, MU, VR) of :meth:`linearize_stacked` for ``count`` layers of states
+        ``state_shape`` (B, w), from ``scratch(name, shape, dtype)``: the same arrays it fills
+        (x-hat, sigma', the dropout mask times 1 / (1 - p), 1 / std, mean, variance; the batch
+        norm rows empty without batch norm, the mask's without dropout)."""
+        bn_blk, _, drop = self._pattern()
+        B, w = state_shape
+        nb, nd = (count if bn_blk is not None else 0), (count if drop is not None else 0)
+        return (scratch("composed xhat", (nb, B, w), dtype),
+                scratch("composed sigma'", (count, B, w), dtype),
+                scratch("composed mask", (nd, B, w), dtype),
+                scratch("composed invstd", (nb, w), dtype),
+                scratch("composed mean", (nb, w), dtype),
+                scratch("composed var", (nb, w), dtype))
+
+    def chains_forward_layers_keep(self, P, U, chains, layer0, layer_step, h, kept, lo, done,
+                                   bk, ctx):
+        """:meth:`chains_forward_layers` without right-hand sides, each step t also writing its
+        linearisation into row t - lo of ``kept`` (:meth:`kept_arrays`) and flagging
+        done[t - lo]."""
+        bk.composed_chains_forward(U, None, chains, layer0, layer_step, h,
+                                   self.kernel_args(P, ctx, U, bk), kept, lo, done)
+
+    def points_forward_layers(self, P, U, G, R, slots, out_slots, layer0, layer_step, h,
+                              point_mode, bk, ctx):
+        """The step into each of U's ``slots`` combined into R by ``point_mode`` (0 residual,
+        returns the squared norm; 1 FAS; 2 plain)."""
+        return bk.composed_points_forward(U, G, R, slots, out_slots, layer0, layer_step, h,
+                                          self.kernel_args(P, ctx, U, bk), point_mode)
+
+    def linearize_stacked(self, P, U, first, count, t0, bk, ctx, scratch, done=None):
+        """The linearisation of layers t0 .. t0 + count - 1 at the states U[first ..] (a
+        solver's store (m, B, w)) in one backend call: a :class:`ComposedLinearization`.
+        ``done``: int8 flags of the rows a final sweep already wrote; only the others are
+        computed."""
+        kept = self.kept_arrays(U.shape[1:], count, U.dtype, scratch)
+        if done is None:
+            done = np.zeros(count, np.int8)
+        args = self.kernel_args(P, ctx, U, bk)
+        bk.composed_caches(U, first, count, t0, args, kept, done)
+        return ComposedLinearization(self, U, first - t0, kept, t0, args[8])
+
+    def chains_adjoint_layers(self, P, L, G, chains, layer0, layer_step, h, lin, bk, ctx):
+        """Stacked adjoint relaxation: along each chain L[i] = L[i - 1] + h J_t^T L[i - 1]
+        (+ G[i]), t = layer0 + i layer_step, J_t at the linearisation ``lin``."""
+        bk.composed_chains_adjoint(L, G, chains, layer0, layer_step, h, P["weight"],
+                                   lin.gamma(P), lin.bn, lin.arrays[:4], lin.d0)
+
+    def points_adjoint_layers(self, P, L, G, R, slots, out_slots, layer0, layer_step, h,
+                              point_mode, lin, bk, ctx):
+        """Stacked adjoint residual / FAS / plain points (see :meth:`chains_adjoint_layers`)."""
+        return bk.composed_points_adjoint(L, G, R, slots, out_slots, layer0, layer_step, h,
+                                          P["weight"], lin.gamma(P), lin.bn, lin.arrays[:4],
+                                          lin.d0, point_mode)
+
+    def sweep_forward_layers(self, P, U, h, store, bk, ctx):
+        """Serial propagation over every layer in one backend call: fills U[1:] (U (N + 1, B,
+        w), U[0] given) and returns the :class:`ComposedLinearization` of every layer (None
+        unless ``store``), or None where the stacked kernels do not run this composition (the
+        caller then steps layer after layer)."""
+        if not self.can_stack(bk, ctx) or not isinstance(U, np.ndarray) or not store:
+            return None
+        N = U.shape[0] - 1
+        kept = self.kept_arrays(U.shape[1:], N, U.dtype, self._scratch)
+        done = self._scratch("composed done", (N,), np.int8)
+        done[...] = 0
+        args = self.kernel_args(P, ctx, U, bk)
+        bk.composed_chains_forward(U, None, np.array([[1, N]], np.int64), -1, 1, h, args, kept,
+                                   0, done)
+        return ComposedLinearization(self, U, 0, kept, 0, args[8])
+
+    def sweep_backward_layers(self, P, U, D, lam, h, bk, ctx, G):
+        """The adjoint of :meth:`sweep_forward_layers` (``D`` from it) in one backend call for
+        the cotangents and one for G[name] = every parameter gradient; returns the cotangent of
+        U[0], or None where ``D`` is not a :class:`ComposedLinearization` (the caller then runs
+        the layer-by-layer vjps)."""
+        if not isinstance(D, ComposedLinearization):
+            return None
+        N = D.arrays[1].shape[0]
+        L = self._scratch("composed sweep lam", (N + 1,) + lam.shape, lam.dtype)
+        L[0] = lam
+        h = lam.dtype.type(h)
+        self.chains_adjoint_layers(P, L, None, np.array([[1, N]], np.int64), N, -1, h, D, bk,
+                                   ctx)
+        self.vjp_params_stacked_layers(P, [(L, N - 1, -1, N)], D, bk, ctx, G, None, h=h)
+        return L[N].copy()
+
+    def _scratch(self, name, shape, dtype):
+        """A host array kept per (name, shape, dtype) for the serial sweeps (scratch)."""
+        arrays = self.__dict__.setdefault("_arrays", {})
+        key = (name, tuple(shape), np.dtype(dtype).str)
+        a = arrays.get(key)
+        if a is None:
+            a = arrays[key] = np.empty(tuple(shape), dtype)
+        return a
+
+    def vjp_params_stacked_layers(self, P, parts, lin, bk, ctx, G, scratch, h=None):
+        """G[name][t] = h (dF_t/dtheta)^T lam_{t+1} for every layer t of ``lin`` (written):
+        ``parts`` lists (L, l0, l_step, count) runs, in layer order, that hold lam_{t+1} of the
+        layers in turn (L[l0 + p l_step] for the p-th layer of the run), or callables returning
+        one, called when reached (a run that waits for a message); one backend call per run."""
+        if h is None:
+            raise TypeError("vjp_params_stacked_layers of a composed step needs the step size h")
+        S = lin.arrays[1].shape[0]
+        e2 = np.empty((0, P["weight"].shape[1]), lin.arrays[1].dtype)
+        Gg, Gbe = (G["bn_weight"], G["bn_bias"]) if lin.bn else (e2, e2)
+        row = 0
+        for part in parts:
+            L, l0, l_step, count = part() if callable(part) else part
+            bk.composed_params(L, l0, l_step, count, lin.U, lin.d0 + lin.u_off + row, row,
+                               lin.d0, h, lin.gamma(P), lin.bn, lin.arrays[:4], G["weight"],
+                               G["bias"], Gg, Gbe)
+            row += count
+        if row != S:
+            raise ValueError(f"the runs cover {row} layers, the linearisation {S}")
+
+
+class ComposedLinearization:
+    """The linearisation of layers d0 .. d0 + S - 1 of a composed dense step at given states,
+    in arrays (:meth:`ComposedStep.kept_arrays`): the state of layer t is U[t + u_off] (a
+    solver's store). ``lin[t]`` is layer t's cache in the block-by-block protocol (None outside
+    d0 .. d0 + S - 1), for the list engine's steps and the running statistics' commit."""
+
+    __slots__ = ("kind", "U", "u_off", "arrays", "d0", "bn")
+
+    def __init__(self, kind, U, u_off, arrays, d0, bn):
+        self.kind, self.U, self.u_off, self.arrays, self.d0 = kind, U, u_off, arrays, d0
+        self.bn = int(bn)  #: 0 no batch norm, 1 batch statistics, 2 running statistics
+
+    def gamma(self, P):
+        """Batch norm's gamma (N, w), or an empty (0, w) array without batch norm."""
+        return P["bn_weight"] if self.bn else self.arrays[3]
+
+    def __getitem__(self, t):
+        k = t - self.d0
+        XH, DA, MK, IS, MU, VR = self.arrays
+        if not 0 <= k < DA.shape[0]:
+            return None
+        x = self.U[t + self.u_off]
+        bn_blk, act, drop = self.kind._pattern()
+        if bn_blk is not None:
+            count = x.shape[0] if self.bn == 1 else 0
+            mid = ((XH[k], IS[k], count, MU[k], VR[k]), DA[k])
+        else:
+            mid = None if act == activation_code("identity") else DA[k]
+        caches = [x, mid]
+        if drop is not None:
+            caches.append(MK[k] if MK.shape[0] else None)
+        return caches

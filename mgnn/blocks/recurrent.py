@@ -212,8 +212,9 @@ class RecurrentStep:
         """No captured cycles (the stacked relaxation runs through the engine)."""
         return False
 
-    def can_stack(self, bk):
-        """Whether ``bk`` has the stacked recurrent kernels (host arrays)."""
+    def can_stack(self, bk, ctx=None):
+        """Whether ``bk`` has the stacked recurrent kernels (host arrays); ``ctx`` is not
+        used."""
         return callable(getattr(bk, "recurrent_chains_forward", None)) and \
             callable(getattr(bk, "recurrent_points_forward", None))
 
@@ -332,7 +333,7 @@ class RecurrentStep:
             G[f"{name}_l{k}"][...] = 0
 
     # ---------------------------------------------- the stacked adjoint (MGRIT adjoint solve)
-    def can_stack_adjoint(self, bk):
+    def can_stack_adjoint(self, bk, ctx=None):
         """Whether ``bk`` has the stacked recurrent adjoint kernels (host arrays)."""
         return self.can_stack(bk) and all(callable(getattr(bk, k, None)) for k in (
             "recurrent_caches", "recurrent_chains_adjoint", "recurrent_points_adjoint",
@@ -380,13 +381,13 @@ class RecurrentStep:
                                            layer0, layer_step, lin.U, lin.u_off, lin.D, lin.d0,
                                            Wih, Whh, dt, mode, point_mode)
 
-    def vjp_params_stacked_layers(self, P, parts, lin, bk, ctx, G, scratch):
+    def vjp_params_stacked_layers(self, P, parts, lin, bk, ctx, G, scratch, h=None):
         """G[name] = the sum over every step of ``lin`` of (dPhi_t/dtheta)^T lam_{t+1}, written:
         ``parts`` lists (L, l0, l_step, count) runs, in step order, that hold lam_{t+1} of the
         steps in turn (L[l0 + p l_step] for the p-th step of the run), or callables returning
         one, called when reached (a run that waits for a message: the runs before it are
         computed first); one backend call per run for the projection cotangents, then one GEMM
-        per weight."""
+        per weight. ``h`` is not used (the step size is the model's rule)."""
         S, nl, B = lin.D.shape[:3]
         GH = self.gates * self.hidden
         DGI = scratch("recurrent dgi", (S, nl, B, GH), lin.D.dtype)

@@ -223,7 +223,7 @@ def test_stacked_adjoint_equals_the_list_adjoint_with_a_stacked_forward(make, rn
     lp = mgnn.LayerParallel(model, fwd, bwd, backend="numba")
     loss, g = lp.loss_and_grad(x, y)
     assert lp._solver("adjoint", bwd).engine.stacked
-    monkeypatch.setattr(RecurrentStep, "can_stack_adjoint", lambda self, bk: False)
+    monkeypatch.setattr(RecurrentStep, "can_stack_adjoint", lambda self, bk, ctx=None: False)
     ref = mgnn.LayerParallel(model, fwd, bwd, backend="numba")
     loss0, g0 = ref.loss_and_grad(x, y)
     assert ref._solver("forward", fwd).engine.stacked

@@ -119,7 +119,7 @@ def test_stacked_mgrit_forward_equals_the_list_engine(make, backend, rng, monkey
     lp = mgnn.LayerParallel(model, fwd, bwd, backend=backend)
     loss, g = lp.loss_and_grad(x, y)
     assert lp._solver("forward", fwd).engine.stacked and lp._solver("adjoint", bwd).engine.stacked
-    monkeypatch.setattr(RecurrentStep, "can_stack", lambda self, bk: False)
+    monkeypatch.setattr(RecurrentStep, "can_stack", lambda self, bk, ctx=None: False)
     ref = mgnn.LayerParallel(model, fwd, bwd, backend=backend)
     loss0, g0 = ref.loss_and_grad(x, y)
     # without its kernels the step runs one call per state (the stacked protocol over step)

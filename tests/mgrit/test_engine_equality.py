@@ -1,6 +1,6 @@
 """The two MGRIT engines agree for every model kind: every kind runs the stacked engine (one
-array per level; captured cycles where they apply; composed kinds and conv3d through the stacked
-protocol over single steps), and the list engine (the adapter that runs any propagator with
+array per level; captured cycles where they apply; dense composed kinds on their stacked kernels,
+conv composed kinds and conv3d through the stacked protocol over single steps), and the list engine (the adapter that runs any propagator with
 ``step``) gives the same inexact (fixed 2/1 cycles) loss, gradients and residual histories to
 round-off, forward and adjoint, for dense, conv 2D/3D, batch norm + dropout, GRU, RNN and
 spatially coarsened conv models. The list engine is forced by building every solver's engine as

@@ -16,6 +16,7 @@ One module per layer kind, as ``kernels/`` has one CUDA file per kind:
 ``conv3d``          3D 3x3x3 convolution steps (the conv core, 27 taps)
 ``pool_loss``       average pooling, softmax cross-entropy
 ``batch_norm``      batch norm + activation, dropout masks
+``composed``        stacked chains, points, linearisation and gradients of the composed dense step
 ``recurrent``       GRU/RNN gates, sweeps, chains and points over sequence time
 ``grid_ops``        sparse operators along an axis (spatial coarsening's grid transfers)
 ``stacked``         stacked-state chains, residuals and FAS points (the MGRIT engine's kernels)
@@ -29,15 +30,15 @@ solver and the tests call ``numba_cpu.<kernel>``), plus the interval-batched loo
 """
 import numpy as np
 
-from . import (activations, batch_norm, conv, conv3d, dense, grid_ops, pool_loss, recurrent,
-               stacked, stacked_grads, tapes)
+from . import (activations, batch_norm, composed, conv, conv3d, dense, grid_ops, pool_loss,
+               recurrent, stacked, stacked_grads, tapes)
 
 name = "numba"
 xp = np  #: array module of this backend
 batched_relaxation = False  #: batching gains nothing on the CPU (see numpy_ref)
 
-_KINDS = (activations, dense, conv, conv3d, pool_loss, batch_norm, recurrent, grid_ops, stacked,
-          tapes, stacked_grads)
+_KINDS = (activations, dense, conv, conv3d, pool_loss, batch_norm, composed, recurrent, grid_ops,
+          stacked, tapes, stacked_grads)
 
 
 def _export():
