@@ -847,7 +847,13 @@ def cmd_bench(args):
                              + ["warning: " + a for a in [blas_advice()] if a] + [text])
     elif args.suite == "gpu-launches":
         from .studies.bench import bench_gpu_launches, format_gpu_launches
-        results = bench_gpu_launches(n_layers=128 if args.quick else 1024)
+        comm = None
+        if _mpi_size_from_env() > 1:  # under mpiexec: every method on the processes' layer ranks
+            from mpi4py import MPI
+            comm = MPI.COMM_WORLD if MPI.COMM_WORLD.Get_size() > 1 else None
+        results = bench_gpu_launches(n_layers=128 if args.quick else 1024, comm=comm)
+        if comm is not None and comm.Get_rank() != 0:
+            return results  # rank 0 reports
         text = format_gpu_launches(results)
     else:
         from .studies.bench_spatial import format_mgrit_comparison, mgrit_comparison

@@ -322,7 +322,8 @@ def make_device_halo(comm, reduce_comm=None, xp=None, cuda_aware=None):
     reduce_comm : mpi4py communicator or None
         Residual norms are summed over it (default: ``comm``), as :func:`make_halo`.
     xp, cuda_aware
-        As :class:`DeviceHalo` (default: CuPy; detected by :func:`cuda_aware_mpi`).
+        As :class:`DeviceHalo` (default: CuPy; detected by :func:`cuda_aware_mpi` unless ``xp``
+        has a ``cuda_aware_mpi`` attribute, as the host stand-in of ``bench gpu-launches``).
 
     Returns
     -------
@@ -337,6 +338,8 @@ def make_device_halo(comm, reduce_comm=None, xp=None, cuda_aware=None):
         halo.path, halo.reason = "none", "single process: no messages"
         halo.timers["staging"] = 0.0
         return halo
+    if cuda_aware is None:  # an array module may say (a host stand-in: True)
+        cuda_aware = getattr(xp, "cuda_aware_mpi", None)
     return DeviceHalo(make_halo(comm, reduce_comm), cuda_aware=cuda_aware, xp=xp)
 
 

@@ -706,6 +706,17 @@ class CountingLauncher:
             return allocate
         return getattr(np, name)
 
+    #: its "device" arrays are host NumPy arrays: on several ranks the halo hands them to MPI
+    #: directly (:func:`mgnn.comm.make_device_halo`), as a CUDA-aware MPI takes device buffers
+    cuda_aware_mpi = True
+
+    @property
+    def cuda(self):
+        """The stream synchronisation the halo calls (nothing runs: nothing to wait for)."""
+        import types
+        stream = types.SimpleNamespace(synchronize=lambda: None)
+        return types.SimpleNamespace(get_current_stream=lambda: stream)
+
     def ptr(self, a):
         self.pointers += 1
         return a.__array_interface__["data"][0]
@@ -736,7 +747,7 @@ class _CountedGraph:
 
 
 def bench_gpu_launches(n_layers=1024, width=64, batch=64, cf=4, levels=3, fwd_iters=2,
-                       bwd_iters=1, repeats=3, seed=0):
+                       bwd_iters=1, repeats=3, seed=0, comm=None):
     """Kernel launches and host-side seconds of one training step of the GPU backend, with
     interval-batched MGRIT and layer by layer, without running any kernel (see
     :class:`CountingLauncher`): the launch-bound part of the GPU cost, measurable anywhere.
@@ -752,9 +763,15 @@ def bench_gpu_launches(n_layers=1024, width=64, batch=64, cf=4, levels=3, fwd_it
     launched from the third on: a graph launch counts as one, 'graph'), 'mgrit no graphs' and
     'serial'.
 
+    ``comm``: an mpi4py communicator of P > 1 processes runs every method on P layer ranks
+    (layer by layer for 'serial'); the halo hands the host stand-in arrays to MPI as a
+    CUDA-aware MPI library takes device buffers. The counts are rank 0's, ``host_seconds`` the
+    slowest rank's median (collective: every rank calls this).
+
     Returns a list of dicts: method, launches, launches_by_kernel, pointers, allocations
     (of the third step: the first allocates the step's buffers, the second captures the
-    graphs), host_seconds (median), graph_kernels (the kernels the step's graph launches ran).
+    graphs), host_seconds (median), graph_kernels (the kernels the step's graph launches ran),
+    ranks.
     """
     from ..backend.cupy_raw import RawBackend
     from ..mgrit import MGRITOptions
@@ -770,9 +787,9 @@ def bench_gpu_launches(n_layers=1024, width=64, batch=64, cf=4, levels=3, fwd_it
             fwd = MGRITOptions(cf=cf, max_levels=levels, max_iter=fwd_iters, tol=0.0)
             bwd = MGRITOptions(cf=cf, max_levels=levels, max_iter=bwd_iters, tol=0.0)
             lp = LayerParallel(model, fwd, bwd, backend=bk, capture=method == "mgrit",
-                               guard=None)
+                               guard=None, comm=comm)
         else:
-            lp = LayerParallel(model, backend=bk)
+            lp = LayerParallel(model, backend=bk, comm=comm)
         grads = model.params.zeros_like()
 
         def step():
@@ -785,17 +802,30 @@ def bench_gpu_launches(n_layers=1024, width=64, batch=64, cf=4, levels=3, fwd_it
         step()
         counts, graph_kernels = dict(launcher.launches), launcher.graph_kernels
         pointers, allocations = launcher.pointers, launcher.allocations
+        if comm is not None:
+            comm.Barrier()
         seconds = median_time(step, repeats=repeats, warmup=0, min_time=0.0)
+        if comm is not None:
+            seconds = comm.allreduce(seconds, op=_mpi_max())
         out.append({"method": method, "n_layers": n_layers, "width": width, "batch": batch,
                     "launches": sum(counts.values()), "launches_by_kernel": counts,
                     "pointers": pointers, "allocations": allocations, "host_seconds": seconds,
-                    "graph_kernels": graph_kernels})
+                    "graph_kernels": graph_kernels,
+                    "ranks": 1 if comm is None else comm.Get_size()})
     return out
+
+
+def _mpi_max():
+    from mpi4py import MPI
+    return MPI.MAX
 
 
 def format_gpu_launches(results):
     """Table of :func:`bench_gpu_launches` results."""
-    lines = ["GPU backend, one training step, no kernel run (host side only):",
+    ranks = results[0].get("ranks", 1) if results else 1
+    lines = ["GPU backend, one training step, no kernel run (host side only)"
+             + (f", {ranks} layer ranks (counts: rank 0; host ms: the slowest rank):"
+                if ranks > 1 else ":"),
              f"{'method':>16} {'N':>6} {'launches':>9} {'in graphs':>10} {'pointers':>9} "
              f"{'allocs':>7} {'host ms':>9}"]
     for r in results:
