@@ -107,3 +107,52 @@ def test_unwritable_cache_falls_back_to_a_private_temp_folder(clean_env, tmp_pat
     os.chmod(private, 0o777)
     assert _numba_cache.configure() is None
     assert ENV not in os.environ
+
+
+# compiles (or loads) one kernel of the mgnn on sys.path; reports cache hits and the digest
+HIT_PROBE = """
+import json, numpy as np, mgnn
+from mgnn.backend import fas_ops, jit
+a = np.ones(3)
+out = np.empty(3)
+fas_ops._add(a, a, out)
+print(json.dumps({"hits": sum(fas_ops._add.stats.cache_hits.values()),
+                  "misses": sum(fas_ops._add.stats.cache_misses.values()),
+                  "digest": jit.backend_digest(), "package": mgnn.__file__,
+                  "sum": out.tolist()}))
+"""
+
+
+def test_identical_checkouts_share_compiled_kernels_and_a_backend_edit_recompiles(tmp_path):
+    """Two copies of the package at different paths share one cache entry (a fresh clone
+    compiles nothing the first copy compiled); a change anywhere in mgnn/backend (here a
+    comment in another module than the kernel's) files the kernels under a new digest."""
+    import shutil
+    package = os.path.dirname(mgnn.__file__)
+    copies = []
+    for name in ("first", "second"):
+        root = tmp_path / name
+        shutil.copytree(package, root / "mgnn", ignore=shutil.ignore_patterns("__pycache__"))
+        copies.append(root)
+    env = {k: v for k, v in os.environ.items() if k not in ("MGNN_CACHE_DIR", "PYTHONPATH")}
+    env.update({ENV: str(tmp_path / "cache"), "NUMBA_NUM_THREADS": "1"})
+
+    def probe(root):
+        proc = subprocess.run([sys.executable, "-c", HIT_PROBE], env=env, cwd=root,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        info = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert os.path.dirname(info["package"]) == str(root / "mgnn")
+        assert info["sum"] == [2.0, 2.0, 2.0]
+        return info
+
+    first, second = probe(copies[0]), probe(copies[1])
+    assert (first["hits"], first["misses"]) == (0, 1)  # compiled into the empty cache
+    assert (second["hits"], second["misses"]) == (1, 0)  # the other path loads it
+    assert first["digest"] == second["digest"]
+    assert os.path.isdir(tmp_path / "cache" / f"mgnn-{first['digest']}" / "backend")
+    with open(copies[1] / "mgnn" / "backend" / "numba_cpu" / "dense.py", "a") as f:
+        f.write("\n# an edit in another file of the backend\n")
+    edited = probe(copies[1])
+    assert edited["digest"] != first["digest"]
+    assert (edited["hits"], edited["misses"]) == (0, 1)

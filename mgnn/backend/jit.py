@@ -9,19 +9,89 @@ on a kernel's first compile, moves every mgnn kernel of this process to a privat
 (``<NUMBA_CACHE_DIR>/pid-<pid>``) and compiles again; if that succeeds it warns once (the shared
 cache was the problem). A genuine typing error fails the second compile as well: the process goes
 back to the shared cache and the error is raised as Numba raised it, without a warning.
+
+Where a kernel is cached (:class:`PackageCacheLocator`): Numba files a function under a hash of
+its source folder's absolute path and stamps it with its own file's content, so a second
+checkout or install of the same mgnn (a fresh clone, a CI run, a ``pip install``) compiles
+everything again, while an edit to a kernel's callee in another file (an inlined helper) leaves
+the caller's stale compiled code in use. mgnn's kernels are filed instead under
+``<cache dir>/mgnn-<digest>/<folder inside the package>``, the digest covering the content of
+every file of ``mgnn/backend`` (and the Numba version): identical code shares compiled kernels
+wherever it lives, and any change to the backend's sources compiles them all again.
 """
+import hashlib
 import os
 import pickle
 import warnings
 
 import numba
-from numba.core import config, errors
+from numba.core import caching, config, errors
 from numba.core.registry import CPUDispatcher
 
 #: Errors a concurrent cache writer causes in a reader (see the module docstring).
 CACHE_RACE_ERRORS = (errors.TypingError, EOFError, pickle.UnpicklingError)
 
 _dispatchers = []  # every dispatcher made by njit below, in creation order
+_BACKEND = os.path.dirname(os.path.abspath(__file__))  # mgnn/backend
+_PACKAGE = os.path.dirname(_BACKEND)                   # mgnn
+_digest = []
+
+
+def backend_digest():
+    """SHA-256 (hex, 16 characters) of the Numba version and every ``.py`` file of
+    ``mgnn/backend`` (relative paths and contents, in sorted order): the cache folder's key."""
+    if not _digest:
+        h = hashlib.sha256(numba.__version__.encode())
+        files = []
+        for folder, dirs, names in os.walk(_BACKEND):
+            dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+            files += [os.path.join(folder, n) for n in names if n.endswith(".py")]
+        for path in sorted(files):
+            h.update(os.path.relpath(path, _BACKEND).replace(os.sep, "/").encode() + b"\0")
+            with open(path, "rb") as f:
+                h.update(hashlib.sha256(f.read()).digest())
+        _digest.append(h.hexdigest()[:16])
+    return _digest[0]
+
+
+def _inside(path, folder):
+    try:
+        return os.path.commonpath([os.path.abspath(path), folder]) == folder
+    except ValueError:  # another drive
+        return False
+
+
+class PackageCacheLocator(caching.UserProvidedCacheLocator):
+    """Numba's cache locator for mgnn's own kernels (module docstring): the user-provided cache
+    folder (``NUMBA_CACHE_DIR``, set by :mod:`mgnn._numba_cache`), under ``mgnn-<digest>`` and
+    the kernel's folder inside the package, whatever the package's absolute path; stamped with
+    the file's content and :func:`backend_digest`. Other functions keep Numba's locators."""
+
+    def __init__(self, py_func, py_file):
+        super().__init__(py_func, py_file)
+        inside = os.path.relpath(os.path.dirname(os.path.abspath(py_file)), _PACKAGE)
+        self._cache_path = os.path.join(config.CACHE_DIR, f"mgnn-{backend_digest()}",
+                                        *inside.split(os.sep))
+
+    def get_source_stamp(self):
+        return super().get_source_stamp(), backend_digest()
+
+    @classmethod
+    def from_function(cls, py_func, py_file):
+        if not config.CACHE_DIR or not _inside(py_file, _BACKEND):
+            return None
+        return super().from_function(py_func, py_file)
+
+
+def _register_locator():
+    """Put :class:`PackageCacheLocator` first among Numba's locators (once)."""
+    impl = getattr(caching, "CacheImpl", None)
+    classes = getattr(impl, "_locator_classes", None)
+    if isinstance(classes, list) and PackageCacheLocator not in classes:
+        classes.insert(0, PackageCacheLocator)
+
+
+_register_locator()
 _private = {"dir": None, "shared": None}
 
 
