@@ -249,3 +249,24 @@ def test_training_steps_on_the_stacked_kernels_equal_the_stepped_protocol(patter
             np.testing.assert_allclose(a[1], b[1], rtol=1e-11, atol=1e-12)
             np.testing.assert_allclose(a[2], b[2], rtol=1e-12, atol=1e-13)
         np.testing.assert_allclose(runs[True][3], runs[False][3], rtol=1e-12, atol=1e-12)
+
+
+def test_chains_on_threads_give_the_same_bits():
+    """Several chains on Numba's threads (prange, one BLAS thread each) against one thread."""
+    import numba
+    model, kind, P, ctx, U, rng = _setup("bn tanh dropout")
+    lin = kind.linearize_stacked(P, U, 0, N, 0, BK, ctx, lambda n, s, d: np.empty(s, d))
+    chains = np.array([[1, 2], [4, 3], [8, 2]])
+    out = {}
+    saved = numba.get_num_threads()
+    try:
+        for threads in (1, min(2, numba.config.NUMBA_NUM_THREADS)):
+            numba.set_num_threads(threads)
+            V, L = U.copy(), U[::-1].copy()
+            kind.chains_forward_layers(P, V, None, chains, -1, 1, 0.5, BK, ctx)
+            kind.chains_adjoint_layers(P, L, None, chains, N, -1, 0.5, lin, BK, ctx)
+            out[threads] = (V, L)
+    finally:
+        numba.set_num_threads(saved)
+    for a, b in zip(out[1], out[max(out)]):
+        np.testing.assert_array_equal(a, b)

@@ -23,8 +23,11 @@ Arguments shared by the kernels (B samples, width w, N layers):
   ``DA`` (S, B, w) sigma', ``MK`` (S or 0, B, w) the dropout mask times ``dscale``, ``IS``,
   ``MU``, ``VR`` (S, w) 1/sqrt(var + eps), mean and (biased) variance.
 """
+import numba
 import numpy as np
+from numba import prange
 
+from ..blas_threads import one_blas_thread
 from ..counter_rng import _LO32, _S8, _philox_scalar
 from .activations import _tanh, njit
 
@@ -131,23 +134,44 @@ def _point_out(x, z, h, out, u, g, has_g, mode):
 
 
 @njit(cache=True)
-def _chains_fwd(U, G, has_g, chains, layer0, layer_step, h, W, b, gam, bet, rmu, rvar, eps, act,
-                bn, thr, dscale, k0, k1, tstep, s0, MS, m_lo, XH, DA, MK, IS, MU, VR, d_lo, done):
-    """Along each chain (first, n): U[i] = U[i - 1] + h F_t(U[i - 1]) (+ G[i]),
-    t = layer0 + i layer_step; steps with 0 <= t - d_lo < len(done) keep their linearisation."""
+def _chain_fwd(c, U, G, has_g, chains, layer0, layer_step, h, W, b, gam, bet, rmu, rvar, eps,
+               act, bn, thr, dscale, k0, k1, tstep, s0, MS, m_lo, XH, DA, MK, IS, MU, VR, d_lo,
+               done):
+    """Chain c (first, n): U[i] = U[i - 1] + h F_t(U[i - 1]) (+ G[i]), t = layer0 + i
+    layer_step; steps with 0 <= t - d_lo < len(done) keep their linearisation."""
     z = np.empty(U.shape[1:], U.dtype)
     mean, m2 = np.empty(U.shape[2]), np.empty(U.shape[2])
     st = np.empty((4, U.shape[2]), U.dtype)
+    for i in range(chains[c, 0], chains[c, 0] + chains[c, 1]):
+        t = layer0 + i * layer_step
+        k = t - d_lo
+        keep = 0 <= k < done.shape[0]
+        _forward_f(U[i - 1], t, W, b, gam, bet, rmu, rvar, eps, act, bn, thr, dscale, k0,
+                   k1, tstep, s0, MS, m_lo, z, mean, m2, st, keep, XH, DA, MK, IS, MU, VR, k)
+        _point_out(U[i - 1], z, h, U[i], U[i], G[i], has_g, 2)
+        if keep:
+            done[k] = 1
+
+
+@njit(cache=True)
+def _chains_fwd(U, G, has_g, chains, layer0, layer_step, h, W, b, gam, bet, rmu, rvar, eps, act,
+                bn, thr, dscale, k0, k1, tstep, s0, MS, m_lo, XH, DA, MK, IS, MU, VR, d_lo, done):
+    """Every chain of ``chains`` in turn (:func:`_chain_fwd`)."""
     for c in range(chains.shape[0]):
-        for i in range(chains[c, 0], chains[c, 0] + chains[c, 1]):
-            t = layer0 + i * layer_step
-            k = t - d_lo
-            keep = 0 <= k < done.shape[0]
-            _forward_f(U[i - 1], t, W, b, gam, bet, rmu, rvar, eps, act, bn, thr, dscale, k0,
-                       k1, tstep, s0, MS, m_lo, z, mean, m2, st, keep, XH, DA, MK, IS, MU, VR, k)
-            _point_out(U[i - 1], z, h, U[i], U[i], G[i], has_g, 2)
-            if keep:
-                done[k] = 1
+        _chain_fwd(c, U, G, has_g, chains, layer0, layer_step, h, W, b, gam, bet, rmu, rvar, eps,
+                   act, bn, thr, dscale, k0, k1, tstep, s0, MS, m_lo, XH, DA, MK, IS, MU, VR,
+                   d_lo, done)
+
+
+@njit(cache=True, parallel=True)
+def _chains_fwd_par(U, G, has_g, chains, layer0, layer_step, h, W, b, gam, bet, rmu, rvar, eps,
+                    act, bn, thr, dscale, k0, k1, tstep, s0, MS, m_lo, XH, DA, MK, IS, MU, VR,
+                    d_lo, done):
+    """The chains on Numba's threads (the same bits: each chain's arithmetic is its own)."""
+    for c in prange(chains.shape[0]):
+        _chain_fwd(c, U, G, has_g, chains, layer0, layer_step, h, W, b, gam, bet, rmu, rvar, eps,
+                   act, bn, thr, dscale, k0, k1, tstep, s0, MS, m_lo, XH, DA, MK, IS, MU, VR,
+                   d_lo, done)
 
 
 @njit(cache=True)
@@ -217,18 +241,31 @@ def _adjoint_gz(lam, k, t, gam, bn, XH, DA, MK, IS, gz, s1, s2, tq):
 
 
 @njit(cache=True)
-def _chains_adj(L, G, has_g, chains, layer0, layer_step, h, W, gam, bn, XH, DA, MK, IS, d0):
-    """Along each chain: L[i] = L[i - 1] + h J_t^T L[i - 1] (+ G[i]), t = layer0 + i
-    layer_step, J_t at the linearisation row t - d0."""
+def _chain_adj(c, L, G, has_g, chains, layer0, layer_step, h, W, gam, bn, XH, DA, MK, IS, d0):
+    """Chain c: L[i] = L[i - 1] + h J_t^T L[i - 1] (+ G[i]), t = layer0 + i layer_step, J_t at
+    the linearisation row t - d0."""
     gz, gx = np.empty(L.shape[1:], L.dtype), np.empty(L.shape[1:], L.dtype)
     s1, s2 = np.empty(L.shape[2]), np.empty(L.shape[2])
     tq = np.empty((3, L.shape[2]), L.dtype)
+    for i in range(chains[c, 0], chains[c, 0] + chains[c, 1]):
+        t = layer0 + i * layer_step
+        _adjoint_gz(L[i - 1], t - d0, t, gam, bn, XH, DA, MK, IS, gz, s1, s2, tq)
+        np.dot(gz, W[t], gx)
+        _point_out(L[i - 1], gx, h, L[i], L[i], G[i], has_g, 2)
+
+
+@njit(cache=True)
+def _chains_adj(L, G, has_g, chains, layer0, layer_step, h, W, gam, bn, XH, DA, MK, IS, d0):
+    """Every chain of ``chains`` in turn (:func:`_chain_adj`)."""
     for c in range(chains.shape[0]):
-        for i in range(chains[c, 0], chains[c, 0] + chains[c, 1]):
-            t = layer0 + i * layer_step
-            _adjoint_gz(L[i - 1], t - d0, t, gam, bn, XH, DA, MK, IS, gz, s1, s2, tq)
-            np.dot(gz, W[t], gx)
-            _point_out(L[i - 1], gx, h, L[i], L[i], G[i], has_g, 2)
+        _chain_adj(c, L, G, has_g, chains, layer0, layer_step, h, W, gam, bn, XH, DA, MK, IS, d0)
+
+
+@njit(cache=True, parallel=True)
+def _chains_adj_par(L, G, has_g, chains, layer0, layer_step, h, W, gam, bn, XH, DA, MK, IS, d0):
+    """The chains on Numba's threads."""
+    for c in prange(chains.shape[0]):
+        _chain_adj(c, L, G, has_g, chains, layer0, layer_step, h, W, gam, bn, XH, DA, MK, IS, d0)
 
 
 @njit(cache=True)
@@ -330,6 +367,16 @@ def _check_steps(U, idx, layer0, layer_step, n_layers, chains):
                          f"outside 0..{n_layers - 1}")
 
 
+def _parallel(serial, par, chains, *args):
+    """``par(*args)`` (chains on Numba's threads, one BLAS thread each: their np.dot calls
+    must not start threads of their own) when there are threads and several chains, else
+    ``serial(*args)``; the results are the same bits."""
+    if chains.shape[0] > 1 and numba.get_num_threads() > 1:
+        with one_blas_thread():
+            return par(*args)
+    return serial(*args)
+
+
 def _g(U, G):
     return (U, False) if G is None else (G, True)
 
@@ -347,9 +394,8 @@ def composed_chains_forward(U, G, chains, layer0, layer_step, h, layer, keep=Non
     Gs, has_g = _g(U, G)
     if keep is None:
         keep, done = _no_keep(U), np.zeros(0, np.int8)
-    h = U.dtype.type(h)
-    _chains_fwd(U, Gs, has_g, chains, int(layer0), int(layer_step), h, *layer, *keep,
-                int(d_lo), done)
+    _parallel(_chains_fwd, _chains_fwd_par, chains, U, Gs, has_g, chains, int(layer0),
+              int(layer_step), U.dtype.type(h), *layer, *keep, int(d_lo), done)
 
 
 def composed_points_forward(U, G, R, slots, out_slots, layer0, layer_step, h, layer, mode):
@@ -384,8 +430,8 @@ def composed_chains_adjoint(L, G, chains, layer0, layer_step, h, W, gam, bn, lin
     chains = _index_array(chains, "chains", 2)
     _check_steps(L, chains, layer0, layer_step, W.shape[0], True)
     Gs, has_g = _g(L, G)
-    _chains_adj(L, Gs, has_g, chains, int(layer0), int(layer_step), L.dtype.type(h), W, gam,
-                int(bn), *lin_arrays, int(d0))
+    _parallel(_chains_adj, _chains_adj_par, chains, L, Gs, has_g, chains, int(layer0),
+              int(layer_step), L.dtype.type(h), W, gam, int(bn), *lin_arrays, int(d0))
 
 
 def composed_points_adjoint(L, G, R, slots, out_slots, layer0, layer_step, h, W, gam, bn,
