@@ -587,14 +587,15 @@ class ComposedStep:
 
     def sweep_forward_layers(self, P, U, h, store, bk, ctx):
         """Serial propagation over every layer in one backend call: fills U[1:] (U (N + 1, B,
-        w), U[0] given) and returns the :class:`ComposedLinearization` of every layer (None
+        w), U[0] given) and returns the :class:`ComposedLinearization` of every layer (of none
         unless ``store``), or None where the stacked kernels do not run this composition (the
         caller then steps layer after layer)."""
-        if not self.can_stack(bk, ctx) or not isinstance(U, np.ndarray) or not store:
+        if not self.can_stack(bk, ctx) or not isinstance(U, np.ndarray):
             return None
         N = U.shape[0] - 1
-        kept = self.kept_arrays(U.shape[1:], N, U.dtype, self._scratch)
-        done = self._scratch("composed done", (N,), np.int8)
+        rows = N if store else 0  # without store: an empty linearisation, the states only
+        kept = self.kept_arrays(U.shape[1:], rows, U.dtype, self._scratch)
+        done = self._scratch("composed done", (rows,), np.int8)
         done[...] = 0
         args = self.kernel_args(P, ctx, U, bk)
         bk.composed_chains_forward(U, None, np.array([[1, N]], np.int64), -1, 1, h, args, kept,
