@@ -598,6 +598,15 @@ def _mpi_size_from_env():
     return 1
 
 
+def _launched_world():
+    """COMM_WORLD when this process was started by ``mpiexec -n P`` with P > 1, else None
+    (the bench suites that run on every rank of the launch)."""
+    if _mpi_size_from_env() == 1:
+        return None
+    from mpi4py import MPI
+    return MPI.COMM_WORLD if MPI.COMM_WORLD.Get_size() > 1 else None
+
+
 def _world(args):
     """COMM_WORLD when launched on several ranks (or ranks were asked for), else None."""
     if _mpi_size_from_env() == 1 and args.layer_ranks in (None, 1) and args.data_ranks == 1:
@@ -847,10 +856,7 @@ def cmd_bench(args):
                              + ["warning: " + a for a in [blas_advice()] if a] + [text])
     elif args.suite == "gpu-launches":
         from .studies.bench import bench_gpu_launches, format_gpu_launches
-        comm = None
-        if _mpi_size_from_env() > 1:  # under mpiexec: every method on the processes' layer ranks
-            from mpi4py import MPI
-            comm = MPI.COMM_WORLD if MPI.COMM_WORLD.Get_size() > 1 else None
+        comm = _launched_world()  # under mpiexec: every method on the processes' layer ranks
         results = bench_gpu_launches(n_layers=128 if args.quick else 1024, comm=comm)
         if comm is not None and comm.Get_rank() != 0:
             return results  # rank 0 reports
@@ -902,10 +908,7 @@ def _bench_spatial(args):
         spatial = tuple(int(v) for v in text.split(",")) if text else ()
     except ValueError:
         raise ValueError(f"--spatial-levels must be comma-separated ints, got {text!r}") from None
-    comm = None
-    if _mpi_size_from_env() > 1:
-        from mpi4py import MPI
-        comm = MPI.COMM_WORLD
+    comm = _launched_world()
     row = bs.training_step(size=(args.volume_size,) * 3, n_layers=args.n_layers,
                            channels=args.channels or 4, batch=args.batch, cf=args.cf,
                            levels=args.levels, spatial=spatial, fwd_iters=args.fwd_iters,

@@ -615,7 +615,8 @@ class LayerParallel:
         else:  # state vjps layer after layer, then every parameter gradient in one call
             G = grads.group(m.step_prefix)
             sweep = getattr(m.step, "sweep_backward_layers", None)  # or one call for it all
-            lam0 = None if sweep is None else sweep(steps, U, D, lam, m.h, bk, self.ctx, G)
+            lam0 = None if sweep is None else sweep(steps, U, D, lam, m.h, bk, self.ctx, G,
+                                                    scratch=self._reused)
             if lam0 is None and isinstance(m.step, ComposedStep) and not m.step.shared:
                 for n in range(m.n_layers - 1, -1, -1):  # state and parameter vjps in one pass
                     lam = m.step.vjp_layer(steps, n, U[n], D[n], lam, m.h, bk, self.ctx, G)
@@ -651,7 +652,8 @@ class LayerParallel:
             kind.sweep_forward(steps["weight"], steps["bias"], U, m.h, D, self.bk)
             return U, D
         sweep = getattr(kind, "sweep_forward_layers", None)  # one call for the whole sequence
-        D = None if sweep is None else sweep(steps, U, m.h, store, self.bk, ctx)
+        D = None if sweep is None else sweep(steps, U, m.h, store, self.bk, ctx,
+                                             scratch=self._reused)
         if D is not None:
             return U, D
         D = [None] * m.n_layers

@@ -48,12 +48,18 @@ def _steps(model, fwd, bwd, x, y, keep, monkeypatch, counts):
 
         m.setattr(type(step), "linearize", counting)
         lp = mgnn.LayerParallel(model, fwd, bwd, backend="numba", guard=None)
-        opt = mgnn.optim.SGD(model.params, lr=0.1)
-        out = []
-        for _ in range(3):  # parameters, running statistics and dropout masks move
-            loss, g = lp.loss_and_grad(x, y)
-            out.append((loss, g.flat.copy(), model.buffers.flat.copy()))
-            opt.step(g)
+        return _sgd_steps(lp, model, x, y)
+
+
+def _sgd_steps(lp, model, x, y):
+    """Three SGD steps of ``lp`` (parameters, running statistics and dropout masks move):
+    [(loss, gradient, buffers)]."""
+    opt = mgnn.optim.SGD(model.params, lr=0.1)
+    out = []
+    for _ in range(3):
+        loss, g = lp.loss_and_grad(x, y)
+        out.append((loss, g.flat.copy(), model.buffers.flat.copy()))
+        opt.step(g)
     return out
 
 
@@ -101,13 +107,7 @@ def test_stacked_composed_kinds_keep_the_final_sweeps_linearisation(setting, mon
             m.setattr(ComposedStep, "linearize_stacked", counting)
             lp = mgnn.LayerParallel(model, fwd, bwd, backend="numba", guard=None)
             assert lp._solver("forward", lp.fwd).prop._layered
-            opt = mgnn.optim.SGD(model.params, lr=0.1)
-            out = []
-            for _ in range(3):
-                loss, g = lp.loss_and_grad(x, y)
-                out.append((loss, g.flat.copy(), model.buffers.flat.copy()))
-                opt.step(g)
-        runs[keep] = out
+            runs[keep] = _sgd_steps(lp, model, x, y)
     for (l1, g1, b1), (l2, g2, b2) in zip(runs[True], runs[False]):
         assert l1 == l2
         np.testing.assert_array_equal(g1, g2)

@@ -19,6 +19,7 @@ the caller's stale compiled code in use. mgnn's kernels are filed instead under
 every file of ``mgnn/backend`` (and the Numba version): identical code shares compiled kernels
 wherever it lives, and any change to the backend's sources compiles them all again.
 """
+import functools
 import hashlib
 import os
 import pickle
@@ -34,24 +35,22 @@ CACHE_RACE_ERRORS = (errors.TypingError, EOFError, pickle.UnpicklingError)
 _dispatchers = []  # every dispatcher made by njit below, in creation order
 _BACKEND = os.path.dirname(os.path.abspath(__file__))  # mgnn/backend
 _PACKAGE = os.path.dirname(_BACKEND)                   # mgnn
-_digest = []
 
 
+@functools.lru_cache(maxsize=None)
 def backend_digest():
     """SHA-256 (hex, 16 characters) of the Numba version and every ``.py`` file of
     ``mgnn/backend`` (relative paths and contents, in sorted order): the cache folder's key."""
-    if not _digest:
-        h = hashlib.sha256(numba.__version__.encode())
-        files = []
-        for folder, dirs, names in os.walk(_BACKEND):
-            dirs[:] = sorted(d for d in dirs if d != "__pycache__")
-            files += [os.path.join(folder, n) for n in names if n.endswith(".py")]
-        for path in sorted(files):
-            h.update(os.path.relpath(path, _BACKEND).replace(os.sep, "/").encode() + b"\0")
-            with open(path, "rb") as f:
-                h.update(hashlib.sha256(f.read()).digest())
-        _digest.append(h.hexdigest()[:16])
-    return _digest[0]
+    h = hashlib.sha256(numba.__version__.encode())
+    files = []
+    for folder, dirs, names in os.walk(_BACKEND):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        files += [os.path.join(folder, n) for n in names if n.endswith(".py")]
+    for path in sorted(files):
+        h.update(os.path.relpath(path, _BACKEND).replace(os.sep, "/").encode() + b"\0")
+        with open(path, "rb") as f:
+            h.update(hashlib.sha256(f.read()).digest())
+    return h.hexdigest()[:16]
 
 
 def _inside(path, folder):

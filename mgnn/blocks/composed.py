@@ -283,6 +283,15 @@ class BatchNormAct(BatchNorm):
 _NO_MASKS = np.empty((0, 1, 1), np.uint8)  # the composed kernels' masks without dropout
 
 
+def _serial_scratch(scratch):
+    """The serial sweeps' arrays: ``scratch`` under names of their own (a caller's
+    ``scratch(name, shape, dtype)`` also serves MGRIT's kept linearisation, of the same shapes
+    on one rank), or fresh arrays."""
+    if scratch is None:
+        return lambda name, shape, dtype: np.empty(shape, dtype)
+    return lambda name, shape, dtype: scratch("serial " + name, shape, dtype)
+
+
 def _has_bn_kernels(bk):
     from ..backend import BN_KERNELS
     return all(callable(getattr(bk, k, None)) for k in BN_KERNELS)
@@ -585,47 +594,40 @@ class ComposedStep:
                                           P["weight"], lin.gamma(P), lin.bn, lin.arrays[:4],
                                           lin.d0, point_mode)
 
-    def sweep_forward_layers(self, P, U, h, store, bk, ctx):
+    def sweep_forward_layers(self, P, U, h, store, bk, ctx, scratch=None):
         """Serial propagation over every layer in one backend call: fills U[1:] (U (N + 1, B,
         w), U[0] given) and returns the :class:`ComposedLinearization` of every layer (of none
-        unless ``store``), or None where the stacked kernels do not run this composition (the
-        caller then steps layer after layer)."""
+        unless ``store``; its arrays from ``scratch(name, shape, dtype)``, default fresh ones),
+        or None where the stacked kernels do not run this composition (the caller then steps
+        layer after layer)."""
         if not self.can_stack(bk, ctx) or not isinstance(U, np.ndarray):
             return None
+        scratch = _serial_scratch(scratch)
         N = U.shape[0] - 1
         rows = N if store else 0  # without store: an empty linearisation, the states only
-        kept = self.kept_arrays(U.shape[1:], rows, U.dtype, self._scratch)
-        done = self._scratch("composed done", (rows,), np.int8)
+        kept = self.kept_arrays(U.shape[1:], rows, U.dtype, scratch)
+        done = scratch("composed done", (rows,), np.int8)
         done[...] = 0
         args = self.kernel_args(P, ctx, U, bk)
         bk.composed_chains_forward(U, None, np.array([[1, N]], np.int64), -1, 1, h, args, kept,
                                    0, done)
         return ComposedLinearization(self, U, 0, kept, 0, args[8])
 
-    def sweep_backward_layers(self, P, U, D, lam, h, bk, ctx, G):
+    def sweep_backward_layers(self, P, U, D, lam, h, bk, ctx, G, scratch=None):
         """The adjoint of :meth:`sweep_forward_layers` (``D`` from it) in one backend call for
         the cotangents and one for G[name] = every parameter gradient; returns the cotangent of
         U[0], or None where ``D`` is not a :class:`ComposedLinearization` (the caller then runs
-        the layer-by-layer vjps)."""
+        the layer-by-layer vjps). ``scratch`` as :meth:`sweep_forward_layers`."""
         if not isinstance(D, ComposedLinearization):
             return None
         N = D.arrays[1].shape[0]
-        L = self._scratch("composed sweep lam", (N + 1,) + lam.shape, lam.dtype)
+        L = _serial_scratch(scratch)("composed lam", (N + 1,) + lam.shape, lam.dtype)
         L[0] = lam
         h = lam.dtype.type(h)
         self.chains_adjoint_layers(P, L, None, np.array([[1, N]], np.int64), N, -1, h, D, bk,
                                    ctx)
         self.vjp_params_stacked_layers(P, [(L, N - 1, -1, N)], D, bk, ctx, G, None, h=h)
         return L[N].copy()
-
-    def _scratch(self, name, shape, dtype):
-        """A host array kept per (name, shape, dtype) for the serial sweeps (scratch)."""
-        arrays = self.__dict__.setdefault("_arrays", {})
-        key = (name, tuple(shape), np.dtype(dtype).str)
-        a = arrays.get(key)
-        if a is None:
-            a = arrays[key] = np.empty(tuple(shape), dtype)
-        return a
 
     def vjp_params_stacked_layers(self, P, parts, lin, bk, ctx, G, scratch, h=None):
         """G[name][t] = h (dF_t/dtheta)^T lam_{t+1} for every layer t of ``lin`` (written):

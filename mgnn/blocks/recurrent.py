@@ -272,11 +272,11 @@ class RecurrentStep:
                                            layer_step, WihT, WhhT, bih, bhh, dt, mode,
                                            point_mode)
 
-    def sweep_forward_layers(self, P, U, h, store, bk, ctx):
+    def sweep_forward_layers(self, P, U, h, store, bk, ctx, scratch=None):
         """Serial propagation over every step in one backend call (``recurrent_sweep_forward``):
         fills U[1:] (U (L + 1, B, nl, H), U[0] given) and returns the caches (L, nl, B, C H)
-        (empty unless ``store``), or None where the backend has no sweep (the caller then steps
-        layer after layer)."""
+        (empty unless ``store``; from ``scratch(name, shape, dtype)`` if given, else fresh), or
+        None where the backend has no sweep (the caller then steps layer after layer)."""
         sweep = getattr(bk, "recurrent_sweep_forward", None)
         if sweep is None or is_device_array(U):
             return None
@@ -284,15 +284,18 @@ class RecurrentStep:
         L, B = U.shape[0] - 1, U.shape[1]
         cell, gi0, WihT, WhhT, bih, bhh = self._stack_args(P, ctx)
         C = self.cache_width
-        D = np.empty((L if store else 0, self.n_layers, B, C * self.hidden), U.dtype)
+        shape = (L if store else 0, self.n_layers, B, C * self.hidden)
+        D = np.empty(shape, U.dtype) if scratch is None else \
+            scratch("serial recurrent caches", shape, U.dtype)
         sweep(cell, gi0, U, WihT, WhhT, bih, bhh, D, dt, mode)
         return D
 
-    def sweep_backward_layers(self, P, U, D, lam, h, bk, ctx, G):
+    def sweep_backward_layers(self, P, U, D, lam, h, bk, ctx, G, scratch=None):
         """The adjoint of :meth:`sweep_forward_layers` (caches ``D`` from it) in one backend
         call, then G[name] = every parameter gradient (summed over the steps, one GEMM per
         weight); returns the cotangent of U[0], or None where ``D`` is not a sweep's (the
-        caller then runs the step-by-step vjps)."""
+        caller then runs the step-by-step vjps). ``scratch`` as :meth:`sweep_forward_layers`
+        (the projection cotangents)."""
         sweep = getattr(bk, "recurrent_sweep_backward", None)
         if sweep is None or not isinstance(D, np.ndarray):
             return None
@@ -300,8 +303,12 @@ class RecurrentStep:
         L, nl, B = D.shape[0], self.n_layers, U.shape[1]
         GH = self.gates * self.hidden
         Wih, Whh = self._back_weights(P, ctx)
-        DGI = np.empty((L, nl, B, GH), U.dtype)
-        DGH = np.empty_like(DGI)
+        shape = (L, nl, B, GH)
+        if scratch is None:
+            DGI, DGH = np.empty(shape, U.dtype), np.empty(shape, U.dtype)
+        else:
+            DGI = scratch("serial recurrent dgi", shape, U.dtype)
+            DGH = scratch("serial recurrent dgh", shape, U.dtype)
         lam0 = sweep(self._code, lam, U, D, Wih, Whh, dt, mode, DGI, DGH)
         self._weight_grads(G, DGI, DGH, ctx.x, U[1:], U[:-1])
         return lam0

@@ -83,14 +83,14 @@ def test_serial_step_with_sweeps_equals_the_step_by_step_protocol(make, backend,
     calls = []
     fwd, back = RecurrentStep.sweep_forward_layers, RecurrentStep.sweep_backward_layers
     monkeypatch.setattr(RecurrentStep, "sweep_forward_layers",
-                        lambda self, *a: calls.append("f") or fwd(self, *a))
+                        lambda self, *a, **k: calls.append("f") or fwd(self, *a, **k))
     monkeypatch.setattr(RecurrentStep, "sweep_backward_layers",
-                        lambda self, *a: calls.append("b") or back(self, *a))
+                        lambda self, *a, **k: calls.append("b") or back(self, *a, **k))
     lp = mgnn.LayerParallel(model, backend=backend)
     loss, g = lp.loss_and_grad(x, y)
     assert calls == ["f", "b"]
     pred = lp.predict(x)
-    monkeypatch.setattr(RecurrentStep, "sweep_forward_layers", lambda self, *a: None)
+    monkeypatch.setattr(RecurrentStep, "sweep_forward_layers", lambda self, *a, **k: None)
     ref = mgnn.LayerParallel(model, backend=backend)
     loss0, g0 = ref.loss_and_grad(x, y)
     assert abs(loss - loss0) <= 1e-13 * abs(loss0)

@@ -88,6 +88,7 @@ def _forward_f(x, t, W, b, gam, bet, rmu, rvar, eps, act, bn, thr, dscale, k0, k
     st[3, 0] = 1
     one = st[3, 0]
     n = np.uint64(t) & _LO32
+    mrow = t - m_lo if thr and 0 <= t - m_lo < MS.shape[0] else -1  # the batch's masks' row
     for r in range(B):
         s = (s0 + np.uint64(r)) & _LO32
         for j in range(w):
@@ -100,9 +101,9 @@ def _forward_f(x, t, W, b, gam, bet, rmu, rvar, eps, act, bn, thr, dscale, k0, k
             a, d = _act(y, act, one)
             m = one
             if thr:
-                if 0 <= t - m_lo < MS.shape[0]:  # the batch's masks, made once
-                    kept = MS[t - m_lo, r, j] != 0
-                else:
+                if mrow >= 0:
+                    kept = MS[mrow, r, j] != 0
+                else:  # a layer outside the batch's masks: drawn here, the same bits
                     kept = (_philox_scalar(np.uint64(j), s, n, tstep, k0, k1)[0] >> _S8) >= thr
                 m = dscale if kept else dscale - dscale
                 a *= m
