@@ -16,7 +16,7 @@ registers), `llvm.fma`, unaligned vector loads. The width follows the host: 32-b
 (AVX2, 16 registers: MR 4, NV 3) or 64-byte (AVX-512, 32 registers: MR 8, NV 3).
 
 Each tile sums in one fixed order (i, then t, one accumulator per lane; the kernel gradient's
-lanes added in order at the end), so its results do not depend on threads or on which path
+lanes added by a fixed halving tree at the end), so its results do not depend on threads or on which path
 called it. Arrays are flat (1-D, C-contiguous) and addressed by element offsets; a tile reads
 whole vectors, so its callers give the operands slack (see :data:`BLK`).
 """
@@ -82,6 +82,23 @@ def _fma(builder, vt):
     return cgutils.get_or_insert_function(builder.module, ir.FunctionType(vt, [vt] * 3), name)
 
 
+def _lane_sum(builder, v):
+    """The sum of the lanes of vector ``v`` by a fixed tree: the upper half added to the lower
+    half until one lane is left (log2 VL shuffles and vector adds instead of VL - 1 scalar
+    extracts and adds, the kernel gradient's cost at small images). A fixed order: the same
+    bits on every call."""
+    n = v.type.count
+    while n > 1:
+        n //= 2
+        lo = builder.shuffle_vector(v, ir.Constant(v.type, ir.Undefined),
+                                    ir.Constant(ir.VectorType(ir.IntType(32), n), list(range(n))))
+        hi = builder.shuffle_vector(v, ir.Constant(v.type, ir.Undefined),
+                                    ir.Constant(ir.VectorType(ir.IntType(32), n),
+                                                list(range(n, 2 * n))))
+        v = builder.fadd(lo, hi)
+    return builder.extract_element(v, ir.Constant(ir.IntType(32), 0))
+
+
 def _zeroed(builder, vt, n):
     """n allocas of vt set to zero (in the entry block: mem2reg keeps them in registers)."""
     zero = ir.Constant(vt, [vt.element(0)] * vt.count)
@@ -143,7 +160,7 @@ def kgrad_tile(typingctx, g, go, ldr, ldq, nr, nq, s, so, lds, xp, xo, offs, t0,
     """g[go + r ldr + q ldq] = sum_{j < n} s[so + r' lds + j] xp[xo + offs[t0 + q] + j] for
     r < min(MR, nr), q < min(NV, nq) (r' = min(r, nr - 1): rows past nr read the last one and
     are not stored; taps past nq read tap t0); n a multiple of VL. The per-lane partial sums
-    are added in lane order at the end.
+    are added at the end by a fixed tree (:func:`_lane_sum`).
 
     g, s, xp : 1-D C-contiguous arrays of one float dtype; offs : 1-D int64 tap offsets; the
     rest int64."""
@@ -184,11 +201,7 @@ def kgrad_tile(typingctx, g, go, ldr, ldq, nr, nq, s, so, lds, xp, xo, offs, t0,
             with builder.if_then(builder.icmp_signed(">", nr_, _i64(r)), likely=True):
                 for q in range(NV):
                     with builder.if_then(builder.icmp_signed(">", nq_, _i64(q)), likely=True):
-                        acc = builder.load(accs[r * NV + q])
-                        total = builder.extract_element(acc, ir.Constant(ir.IntType(32), 0))
-                        for k in range(1, vt.count):
-                            total = builder.fadd(total, builder.extract_element(
-                                acc, ir.Constant(ir.IntType(32), k)))
+                        total = _lane_sum(builder, builder.load(accs[r * NV + q]))
                         idx = builder.add(go_, builder.add(builder.mul(_i64(r), ldr_),
                                                            builder.mul(_i64(q), ldq_)))
                         builder.store(total, builder.gep(gp, [idx]))
