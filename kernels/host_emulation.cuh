@@ -2,24 +2,27 @@
 // without a GPU: the same *.cu files compile with the system C++20 compiler after this header.
 // Never given to nvcc or NVRTC.
 //
-// Model: the blocks of a launch run one after another; the threads of a block run as OS threads
-// that meet at a std::barrier for __syncthreads(); a thread that returns leaves the barrier
-// (arrive_and_drop), so later barriers wait only for the threads still running. __shared__
-// variables are function statics: one copy, shared by the threads of the running block.
+// Model: the blocks of a launch run one after another; the threads of a block run as fibers
+// (ucontext) on the calling OS thread, one at a time in thread order: each runs until it reaches
+// __syncthreads() or returns; when every thread still running waits at the barrier, all go on.
+// A thread that returns leaves the barrier, so later barriers wait only for the threads still
+// running. __shared__ variables are function statics: one copy, shared by the threads of the
+// running block. (One OS thread per CUDA thread, the earlier model, spent most of a test run in
+// thread creation and context switches: 34 s of system time against 10 s of user time.)
 // Supported: threadIdx, blockIdx, blockDim, gridDim (dim3), __global__, __device__,
 // __forceinline__, __shared__ (static arrays, no initialisers), __syncthreads, the libm
 // functions of <cmath> (tanhf, tanh, expf, exp, logf, log). Not supported: atomics, warp
 // intrinsics, dynamic shared memory, streams.
 #pragma once
-#include <barrier>
 #include <cmath>
 #include <cstddef>
 #include <exception>
-#include <mutex>
-#include <thread>
+#include <memory>
 #include <type_traits>
 #include <utility>
 #include <vector>
+
+#include <ucontext.h>
 
 struct dim3 {
     unsigned x = 1, y = 1, z = 1;
@@ -27,7 +30,21 @@ struct dim3 {
 
 namespace mgnn_emu {
 inline thread_local dim3 thread_idx, block_idx, block_dim, grid_dim;
-inline thread_local std::barrier<> *barrier = nullptr;
+
+// One CUDA thread of the running block: its context and where it stands.
+struct Fiber {
+    ucontext_t ctx;
+    enum State { ready, waiting, done } state = ready;
+};
+inline thread_local ucontext_t *scheduler = nullptr;  // the launch loop's context
+inline thread_local Fiber *running = nullptr;          // the fiber being run
+
+// __syncthreads(): back to the launch loop until every running thread has arrived.
+inline void sync_threads() {
+    Fiber *self = running;
+    self->state = Fiber::waiting;
+    swapcontext(&self->ctx, scheduler);
+}
 }  // namespace mgnn_emu
 
 #define threadIdx (mgnn_emu::thread_idx)
@@ -38,7 +55,7 @@ inline thread_local std::barrier<> *barrier = nullptr;
 #define __device__
 #define __forceinline__ inline
 #define __shared__ static
-#define __syncthreads() (mgnn_emu::barrier->arrive_and_wait())
+#define __syncthreads() (mgnn_emu::sync_threads())
 
 namespace mgnn_emu {
 
@@ -47,37 +64,75 @@ void call(void (*kernel)(A...), void **args, std::index_sequence<I...>) {
     kernel(*static_cast<std::remove_cv_t<std::remove_reference_t<A>> *>(args[I])...);
 }
 
+// The body every fiber of a launch runs (the kernel call) and whether one of them threw.
+inline thread_local void (*fiber_body)(void *) = nullptr;
+inline thread_local void *fiber_arg = nullptr;
+inline thread_local int fiber_failed = 0;
+
+inline void fiber_entry() {
+    try {
+        fiber_body(fiber_arg);
+    } catch (...) {
+        fiber_failed = 1;
+    }
+    running->state = Fiber::done;  // returning resumes uc_link: the launch loop
+}
+
+template <typename... A>
+struct Call {
+    void (*kernel)(A...);
+    void **args;
+    static void run(void *self) {
+        auto *c = static_cast<Call *>(self);
+        call(c->kernel, c->args, std::index_sequence_for<A...>{});
+    }
+};
+
+// Bytes of stack per fiber (the kernels keep small register tiles; untouched pages cost nothing)
+inline constexpr std::size_t fiber_stack = 256 * 1024;
+
 // Run kernel<<<grid, block>>>(args...) to completion; args[i] points to the i-th argument, as
 // for cuLaunchKernel. Returns 0, or 1 if a thread threw (the launch is then incomplete).
 template <typename... A>
 int launch(void (*kernel)(A...), const unsigned *grid, const unsigned *block, void **args) {
     const dim3 g{grid[0], grid[1], grid[2]}, b{block[0], block[1], block[2]};
     const unsigned n = b.x * b.y * b.z;
-    int failed = 0;
-    std::mutex lock;
+    Call<A...> c{kernel, args};
+    std::unique_ptr<char[]> stacks(new char[n * fiber_stack]);
+    std::vector<Fiber> fibers(n);
+    ucontext_t loop;
+    scheduler = &loop;
+    fiber_body = &Call<A...>::run;
+    fiber_arg = &c;
+    fiber_failed = 0;
+    block_dim = b;
+    grid_dim = g;
     for (unsigned bz = 0; bz < g.z; ++bz)
         for (unsigned by = 0; by < g.y; ++by)
             for (unsigned bx = 0; bx < g.x; ++bx) {
-                std::barrier<> bar(static_cast<std::ptrdiff_t>(n));
-                std::vector<std::thread> threads;
-                threads.reserve(n);
-                for (unsigned t = 0; t < n; ++t)
-                    threads.emplace_back([&, t] {
+                block_idx = dim3{bx, by, bz};
+                for (unsigned t = 0; t < n; ++t) {
+                    Fiber &f = fibers[t];
+                    f.state = Fiber::ready;
+                    getcontext(&f.ctx);
+                    f.ctx.uc_stack.ss_sp = stacks.get() + t * fiber_stack;
+                    f.ctx.uc_stack.ss_size = fiber_stack;
+                    f.ctx.uc_link = &loop;
+                    makecontext(&f.ctx, fiber_entry, 0);
+                }
+                for (unsigned left = n; left > 0;) {  // one pass: every thread to its next barrier
+                    for (unsigned t = 0; t < n; ++t) {
+                        Fiber &f = fibers[t];
+                        if (f.state != Fiber::ready) continue;
                         thread_idx = dim3{t % b.x, (t / b.x) % b.y, t / (b.x * b.y)};
-                        block_idx = dim3{bx, by, bz};
-                        block_dim = b;
-                        grid_dim = g;
-                        barrier = &bar;
-                        try {
-                            call(kernel, args, std::index_sequence_for<A...>{});
-                        } catch (...) {
-                            std::lock_guard<std::mutex> guard(lock);
-                            failed = 1;
-                        }
-                        bar.arrive_and_drop();
-                    });
-                for (auto &th : threads) th.join();
-                if (failed) return failed;
+                        running = &f;
+                        swapcontext(&loop, &f.ctx);
+                        if (f.state == Fiber::done) --left;
+                    }
+                    for (Fiber &f : fibers)  // all still running have arrived: release them
+                        if (f.state == Fiber::waiting) f.state = Fiber::ready;
+                }
+                if (fiber_failed) return fiber_failed;
             }
     return 0;
 }

@@ -1,9 +1,10 @@
 """Host emulation of the RawKernels: the CUDA C of ``kernels/*.cu`` compiled by the system C++
 compiler against ``kernels/host_emulation.cuh`` and launched through ctypes on NumPy arrays.
 
-It runs every RawKernel on machines without a GPU (slowly: one OS thread per CUDA thread), with
-the same launch code as the GPU (:class:`mgnn.backend.cupy_raw.RawBackend`), so the kernels and
-their launch geometry are checked against the NumPy reference wherever mgnn is built.
+It runs every RawKernel on machines without a GPU (slowly: the threads of a block one after
+another, as fibers that meet at ``__syncthreads``), with the same launch code as the GPU
+(:class:`mgnn.backend.cupy_raw.RawBackend`), so the kernels and their launch geometry are
+checked against the NumPy reference wherever mgnn is built.
 """
 import ctypes
 import hashlib
