@@ -20,6 +20,9 @@ from .fas_ops import GenericOps
 THREADS = 256
 #: Most blocks of one launch; the grid-stride loops cover the rest (bounds the partial sums).
 MAX_BLOCKS = 4096
+#: Most threads of one launch under the simulator (``NUMBA_ENABLE_CUDASIM=1``), where every CUDA
+#: thread is a Python thread started and joined per launch; the grid-stride loops cover the rest.
+SIM_MAX_THREADS = 512
 #: float64 entries of the static shared buffer of the reductions (CUDA's maximum block size).
 _SMEM = 1024
 _SIM = bool(config.ENABLE_CUDASIM)
@@ -332,9 +335,11 @@ def _dev(a):
 
 
 def _grid(n):
-    """(blocks, threads) of a launch over ``n`` > 0 entries."""
+    """(blocks, threads) of a launch over ``n`` > 0 entries (under the simulator at most
+    :data:`SIM_MAX_THREADS` threads in all)."""
     threads = THREADS
-    return max(1, min(-(-n // threads), MAX_BLOCKS)), threads
+    cap = MAX_BLOCKS if not _SIM else max(1, min(MAX_BLOCKS, SIM_MAX_THREADS // threads))
+    return max(1, min(-(-n // threads), cap)), threads
 
 
 def _launch(kernel, n, like, *args):

@@ -242,3 +242,18 @@ def test_reductions_with_a_block_size_not_a_power_of_two(threads, monkeypatch, r
         check(r, r_ref, "float64", f"r {shape}")
         check_scalar(n2, _sq64(r_ref), "float64", f"||r||^2 {shape}")
         check_scalar(nc.sq_norm(dev(phi)), _sq64(phi), "float64", f"sq_norm {shape}")
+
+
+def test_simulator_launches_are_capped(rng):
+    """Under the simulator (a Python thread per CUDA thread) a launch starts at most
+    SIM_MAX_THREADS threads; the grid-stride loops cover a larger input, with the same results.
+    On a GPU the grid grows with the input up to MAX_BLOCKS."""
+    blocks, threads = nc._grid(10 ** 6)
+    if SIM:
+        assert blocks * threads <= nc.SIM_MAX_THREADS and blocks > 1
+    else:
+        assert blocks == min(-(-10 ** 6 // threads), nc.MAX_BLOCKS)
+    n = nc.SIM_MAX_THREADS * 3 + 5
+    for dtype in DTYPES:
+        a, b = _rand(rng, n, dtype), _rand(rng, n, dtype)
+        check(nc.CudaOps().add(dev(a), dev(b)), a + b, dtype, "add beyond the cap")
