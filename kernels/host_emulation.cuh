@@ -3,7 +3,8 @@
 // Never given to nvcc or NVRTC.
 //
 // Model: the blocks of a launch run one after another; the threads of a block run as fibers
-// (ucontext) on the calling OS thread, one at a time in thread order: each runs until it reaches
+// (ucontext) on the calling OS thread, one at a time (in thread order or in reverse, the order
+// flipping at each barrier and between neighbouring blocks): each runs until it reaches
 // __syncthreads() or returns; when every thread still running waits at the barrier, all go on.
 // A thread that returns leaves the barrier, so later barriers wait only for the threads still
 // running. __shared__ variables are function statics: one copy, shared by the threads of the
@@ -22,7 +23,9 @@
 #include <utility>
 #include <vector>
 
+#include <sys/mman.h>
 #include <ucontext.h>
+#include <unistd.h>
 
 struct dim3 {
     unsigned x = 1, y = 1, z = 1;
@@ -91,15 +94,75 @@ struct Call {
 // Bytes of stack per fiber (the kernels keep small register tiles; untouched pages cost nothing)
 inline constexpr std::size_t fiber_stack = 256 * 1024;
 
+// The fibers' stacks of one launch: one mapping, each stack above a PROT_NONE guard page, so a
+// fiber that overflows its stack faults instead of overwriting the one below.
+struct Stacks {
+    char *base = nullptr;
+    std::size_t guard = 0, slot = 0, size = 0;
+    explicit Stacks(unsigned n) {
+        guard = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
+        slot = guard + fiber_stack;
+        size = slot * n;
+        void *p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (p == MAP_FAILED) return;
+        base = static_cast<char *>(p);
+        for (unsigned t = 0; t < n; ++t)
+            if (mprotect(base + t * slot, guard, PROT_NONE) != 0) {
+                munmap(base, size);
+                base = nullptr;
+                return;
+            }
+    }
+    ~Stacks() {
+        if (base) munmap(base, size);
+    }
+    Stacks(const Stacks &) = delete;
+    Stacks &operator=(const Stacks &) = delete;
+    char *stack(unsigned t) const { return base + t * slot + guard; }
+};
+
+// Run the threads of one block (block_idx set) to completion as fibers. Kept out of line so that
+// the launch loop's variables never live across getcontext / swapcontext (returns-twice calls).
+__attribute__((noinline)) inline void run_block(std::vector<Fiber> &fibers, const Stacks &stacks,
+                                                ucontext_t *loop, dim3 b, unsigned flip) {
+    const unsigned n = static_cast<unsigned>(fibers.size());
+    for (unsigned t = 0; t < n; ++t) {
+        Fiber &f = fibers[t];
+        f.state = Fiber::ready;
+        getcontext(&f.ctx);
+        f.ctx.uc_stack.ss_sp = stacks.stack(t);
+        f.ctx.uc_stack.ss_size = fiber_stack;
+        f.ctx.uc_link = loop;
+        makecontext(&f.ctx, fiber_entry, 0);
+    }
+    for (unsigned left = n, pass = 0; left > 0; ++pass) {
+        for (unsigned k = 0; k < n; ++k) {  // every thread to its next barrier
+            const unsigned t = (pass + flip) % 2 ? n - 1 - k : k;
+            Fiber &f = fibers[t];
+            if (f.state != Fiber::ready) continue;
+            thread_idx = dim3{t % b.x, (t / b.x) % b.y, t / (b.x * b.y)};
+            running = &f;
+            swapcontext(loop, &f.ctx);
+            if (f.state == Fiber::done) --left;
+        }
+        for (Fiber &f : fibers)  // all still running have arrived: release them
+            if (f.state == Fiber::waiting) f.state = Fiber::ready;
+    }
+}
+
 // Run kernel<<<grid, block>>>(args...) to completion; args[i] points to the i-th argument, as
-// for cuLaunchKernel. Returns 0, or 1 if a thread threw (the launch is then incomplete).
+// for cuLaunchKernel. Returns 0, or 1 if a thread threw or the fibers' stacks could not be
+// mapped (the launch is then incomplete: a failed block ends the grid). Between barriers the
+// threads run in thread order and in reverse order alternately (starting in reverse in every
+// other block), so a missing __syncthreads() between a write and another thread's read shows up
+// whichever of the two comes first in thread order.
 template <typename... A>
 int launch(void (*kernel)(A...), const unsigned *grid, const unsigned *block, void **args) {
     const dim3 g{grid[0], grid[1], grid[2]}, b{block[0], block[1], block[2]};
-    const unsigned n = b.x * b.y * b.z;
     Call<A...> c{kernel, args};
-    std::unique_ptr<char[]> stacks(new char[n * fiber_stack]);
-    std::vector<Fiber> fibers(n);
+    Stacks stacks(b.x * b.y * b.z);
+    if (!stacks.base) return 1;
+    std::vector<Fiber> fibers(b.x * b.y * b.z);
     ucontext_t loop;
     scheduler = &loop;
     fiber_body = &Call<A...>::run;
@@ -107,34 +170,15 @@ int launch(void (*kernel)(A...), const unsigned *grid, const unsigned *block, vo
     fiber_failed = 0;
     block_dim = b;
     grid_dim = g;
-    for (unsigned bz = 0; bz < g.z; ++bz)
-        for (unsigned by = 0; by < g.y; ++by)
-            for (unsigned bx = 0; bx < g.x; ++bx) {
+    for (unsigned bz = 0; bz < g.z && !fiber_failed; ++bz)
+        for (unsigned by = 0; by < g.y && !fiber_failed; ++by)
+            for (unsigned bx = 0; bx < g.x && !fiber_failed; ++bx) {
                 block_idx = dim3{bx, by, bz};
-                for (unsigned t = 0; t < n; ++t) {
-                    Fiber &f = fibers[t];
-                    f.state = Fiber::ready;
-                    getcontext(&f.ctx);
-                    f.ctx.uc_stack.ss_sp = stacks.get() + t * fiber_stack;
-                    f.ctx.uc_stack.ss_size = fiber_stack;
-                    f.ctx.uc_link = &loop;
-                    makecontext(&f.ctx, fiber_entry, 0);
-                }
-                for (unsigned left = n; left > 0;) {  // one pass: every thread to its next barrier
-                    for (unsigned t = 0; t < n; ++t) {
-                        Fiber &f = fibers[t];
-                        if (f.state != Fiber::ready) continue;
-                        thread_idx = dim3{t % b.x, (t / b.x) % b.y, t / (b.x * b.y)};
-                        running = &f;
-                        swapcontext(&loop, &f.ctx);
-                        if (f.state == Fiber::done) --left;
-                    }
-                    for (Fiber &f : fibers)  // all still running have arrived: release them
-                        if (f.state == Fiber::waiting) f.state = Fiber::ready;
-                }
-                if (fiber_failed) return fiber_failed;
+                run_block(fibers, stacks, &loop, b, bx + by + bz);
             }
-    return 0;
+    scheduler = nullptr;
+    running = nullptr;
+    return fiber_failed;
 }
 }  // namespace mgnn_emu
 

@@ -88,6 +88,7 @@ def _lane_sum(builder, v):
     extracts and adds, the kernel gradient's cost at small images). A fixed order: the same
     bits on every call."""
     n = v.type.count
+    assert n & (n - 1) == 0, f"_lane_sum needs a power-of-two vector width, got {n}"
     while n > 1:
         n //= 2
         lo = builder.shuffle_vector(v, ir.Constant(v.type, ir.Undefined),

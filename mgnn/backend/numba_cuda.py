@@ -336,7 +336,7 @@ def _dev(a):
 
 def _grid(n):
     """(blocks, threads) of a launch over ``n`` > 0 entries (under the simulator at most
-    :data:`SIM_MAX_THREADS` threads in all)."""
+    :data:`SIM_MAX_THREADS` threads in all, or one block where :data:`THREADS` is larger)."""
     threads = THREADS
     cap = MAX_BLOCKS if not _SIM else max(1, min(MAX_BLOCKS, SIM_MAX_THREADS // threads))
     return max(1, min(-(-n // threads), cap)), threads

@@ -257,3 +257,4 @@ def test_simulator_launches_are_capped(rng):
     for dtype in DTYPES:
         a, b = _rand(rng, n, dtype), _rand(rng, n, dtype)
         check(nc.CudaOps().add(dev(a), dev(b)), a + b, dtype, "add beyond the cap")
+        check_scalar(nc.CudaOps().norm2(dev(a)), _sq64(a), dtype, "norm beyond the cap")
