@@ -42,3 +42,17 @@ def rng():
 
 def mnist_available():
     return os.path.exists(os.path.join(MNIST_DIR, "t10k-labels-idx1-ubyte.gz"))
+
+
+def sgd_steps(lp, model, x, y, steps=3):
+    """``steps`` SGD steps (lr 0.1) of the training object ``lp`` on ``model``'s parameters
+    (the running statistics and dropout masks move too): [(loss, flat gradient, flat
+    buffers)] of each step, copies."""
+    import mgnn
+    opt = mgnn.optim.SGD(model.params, lr=0.1)
+    out = []
+    for _ in range(steps):
+        loss, g = lp.loss_and_grad(x, y)
+        out.append((loss, g.flat.copy(), model.buffers.flat.copy()))
+        opt.step(g)
+    return out

@@ -12,6 +12,7 @@ from mgnn import MGRITOptions
 from mgnn import network as network_module
 from mgnn.blocks.composed import ComposedStep
 from mgnn.propagators import ForwardPropagator
+from tests.conftest import sgd_steps
 
 SETTINGS = {
     "3 levels cf 2, F-cycles": (MGRITOptions(cf=2, max_levels=3, max_iter=2, tol=0.0,
@@ -48,19 +49,7 @@ def _steps(model, fwd, bwd, x, y, keep, monkeypatch, counts):
 
         m.setattr(type(step), "linearize", counting)
         lp = mgnn.LayerParallel(model, fwd, bwd, backend="numba", guard=None)
-        return _sgd_steps(lp, model, x, y)
-
-
-def _sgd_steps(lp, model, x, y):
-    """Three SGD steps of ``lp`` (parameters, running statistics and dropout masks move):
-    [(loss, gradient, buffers)]."""
-    opt = mgnn.optim.SGD(model.params, lr=0.1)
-    out = []
-    for _ in range(3):
-        loss, g = lp.loss_and_grad(x, y)
-        out.append((loss, g.flat.copy(), model.buffers.flat.copy()))
-        opt.step(g)
-    return out
+        return sgd_steps(lp, model, x, y)
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
@@ -107,7 +96,7 @@ def test_stacked_composed_kinds_keep_the_final_sweeps_linearisation(setting, mon
             m.setattr(ComposedStep, "linearize_stacked", counting)
             lp = mgnn.LayerParallel(model, fwd, bwd, backend="numba", guard=None)
             assert lp._solver("forward", lp.fwd).prop._layered
-            runs[keep] = _sgd_steps(lp, model, x, y)
+            runs[keep] = sgd_steps(lp, model, x, y)
     for (l1, g1, b1), (l2, g2, b2) in zip(runs[True], runs[False]):
         assert l1 == l2
         np.testing.assert_array_equal(g1, g2)

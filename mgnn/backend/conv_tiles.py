@@ -16,9 +16,9 @@ registers), `llvm.fma`, unaligned vector loads. The width follows the host: 32-b
 (AVX2, 16 registers: MR 4, NV 3) or 64-byte (AVX-512, 32 registers: MR 8, NV 3).
 
 Each tile sums in one fixed order (i, then t, one accumulator per lane; the kernel gradient's
-lanes added by a fixed halving tree at the end), so its results do not depend on threads or on which path
-called it. Arrays are flat (1-D, C-contiguous) and addressed by element offsets; a tile reads
-whole vectors, so its callers give the operands slack (see :data:`BLK`).
+lanes added by a fixed halving tree at the end), so its results do not depend on threads or
+on which path called it. Arrays are flat (1-D, C-contiguous) and addressed by element offsets;
+a tile reads whole vectors, so its callers give the operands slack (see :data:`BLK`).
 """
 import llvmlite.binding as _llb
 import numba
@@ -88,7 +88,8 @@ def _lane_sum(builder, v):
     extracts and adds, the kernel gradient's cost at small images). A fixed order: the same
     bits on every call."""
     n = v.type.count
-    assert n & (n - 1) == 0, f"_lane_sum needs a power-of-two vector width, got {n}"
+    if n & (n - 1):
+        raise ValueError(f"_lane_sum needs a power-of-two vector width, got {n} lanes")
     while n > 1:
         n //= 2
         lo = builder.shuffle_vector(v, ir.Constant(v.type, ir.Undefined),

@@ -21,6 +21,7 @@ import numpy as np
 from ..backend import activation_code, is_device_array
 from ..backend.counter_rng import _check as _counter_rng_check
 from ..backend.counter_rng import dropout_mask, dropout_threshold
+from .layers import serial_scratch
 
 
 class StepContext:
@@ -281,15 +282,6 @@ class BatchNormAct(BatchNorm):
 
 
 _NO_MASKS = np.empty((0, 1, 1), np.uint8)  # the composed kernels' masks without dropout
-
-
-def _serial_scratch(scratch):
-    """The serial sweeps' arrays: ``scratch`` under names of their own (a caller's
-    ``scratch(name, shape, dtype)`` also serves MGRIT's kept linearisation, of the same shapes
-    on one rank), or fresh arrays."""
-    if scratch is None:
-        return lambda name, shape, dtype: np.empty(shape, dtype)
-    return lambda name, shape, dtype: scratch("serial " + name, shape, dtype)
 
 
 def _has_bn_kernels(bk):
@@ -602,7 +594,7 @@ class ComposedStep:
         layer after layer)."""
         if not self.can_stack(bk, ctx) or not isinstance(U, np.ndarray):
             return None
-        scratch = _serial_scratch(scratch)
+        scratch = serial_scratch(scratch)
         N = U.shape[0] - 1
         rows = N if store else 0  # without store: an empty linearisation, the states only
         kept = self.kept_arrays(U.shape[1:], rows, U.dtype, scratch)
@@ -621,7 +613,7 @@ class ComposedStep:
         if not isinstance(D, ComposedLinearization):
             return None
         N = D.arrays[1].shape[0]
-        L = _serial_scratch(scratch)("composed lam", (N + 1,) + lam.shape, lam.dtype)
+        L = serial_scratch(scratch)("composed lam", (N + 1,) + lam.shape, lam.dtype)
         L[0] = lam
         h = lam.dtype.type(h)
         self.chains_adjoint_layers(P, L, None, np.array([[1, N]], np.int64), N, -1, h, D, bk,

@@ -12,6 +12,16 @@ import numpy as np
 from ..backend import activation_code
 
 
+def serial_scratch(scratch):
+    """The host arrays of a step kind's serial sweeps (``sweep_forward_layers`` /
+    ``sweep_backward_layers``): ``get(name, shape, dtype)`` from the caller's
+    ``scratch(name, shape, dtype)`` under names of their own ("serial <name>": the same caller
+    also keeps MGRIT's arrays of the same shapes), or fresh arrays where ``scratch`` is None."""
+    if scratch is None:
+        return lambda name, shape, dtype: np.empty(shape, dtype)
+    return lambda name, shape, dtype: scratch("serial " + name, shape, dtype)
+
+
 class _StepKind:
     """Shared code of the residual step kinds; subclasses name their kernels."""
 

@@ -26,6 +26,7 @@ of ``-h`` is not offered: its coarse steps rediscretise.
 import numpy as np
 
 from ..backend import activation_code, is_device_array
+from .layers import serial_scratch
 
 CELLS = ("gru", "implicit_gru", "rnn")
 COARSE = ("rediscretise", "implicit")
@@ -284,9 +285,8 @@ class RecurrentStep:
         L, B = U.shape[0] - 1, U.shape[1]
         cell, gi0, WihT, WhhT, bih, bhh = self._stack_args(P, ctx)
         C = self.cache_width
-        shape = (L if store else 0, self.n_layers, B, C * self.hidden)
-        D = np.empty(shape, U.dtype) if scratch is None else \
-            scratch("serial recurrent caches", shape, U.dtype)
+        D = serial_scratch(scratch)("recurrent caches",
+                                    (L if store else 0, self.n_layers, B, C * self.hidden), U.dtype)
         sweep(cell, gi0, U, WihT, WhhT, bih, bhh, D, dt, mode)
         return D
 
@@ -303,12 +303,9 @@ class RecurrentStep:
         L, nl, B = D.shape[0], self.n_layers, U.shape[1]
         GH = self.gates * self.hidden
         Wih, Whh = self._back_weights(P, ctx)
-        shape = (L, nl, B, GH)
-        if scratch is None:
-            DGI, DGH = np.empty(shape, U.dtype), np.empty(shape, U.dtype)
-        else:
-            DGI = scratch("serial recurrent dgi", shape, U.dtype)
-            DGH = scratch("serial recurrent dgh", shape, U.dtype)
+        get = serial_scratch(scratch)
+        DGI = get("recurrent dgi", (L, nl, B, GH), U.dtype)
+        DGH = get("recurrent dgh", (L, nl, B, GH), U.dtype)
         lam0 = sweep(self._code, lam, U, D, Wih, Whh, dt, mode, DGI, DGH)
         self._weight_grads(G, DGI, DGH, ctx.x, U[1:], U[:-1])
         return lam0

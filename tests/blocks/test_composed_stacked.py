@@ -12,6 +12,7 @@ from mgnn import MGRITOptions
 from mgnn.backend import get_backend
 from mgnn.backend.counter_rng import dropout_mask
 from mgnn.blocks.composed import ComposedLinearization, ComposedStep, StepContext
+from tests.conftest import sgd_steps
 
 BK = get_backend("numba")
 PATTERNS = {
@@ -236,12 +237,7 @@ def test_training_steps_on_the_stacked_kernels_equal_the_stepped_protocol(patter
                 if not stacked:
                     m.setattr(ComposedStep, "can_stack", lambda self, bk, ctx=None: False)
                 lp = mgnn.LayerParallel(model, *opts, backend="numba", guard=None)
-                opt = mgnn.optim.SGD(model.params, lr=0.1)
-                out = []
-                for _ in range(3):
-                    loss, g = lp.loss_and_grad(x, y)
-                    out.append((loss, g.flat.copy(), model.buffers.flat.copy()))
-                    opt.step(g)
+                out = sgd_steps(lp, model, x, y)
                 out.append(lp.logits(x))  # eval mode
             runs[stacked] = out
         for a, b in zip(runs[True][:3], runs[False][:3]):
