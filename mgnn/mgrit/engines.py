@@ -78,6 +78,7 @@ class ListEngine:
     """Stores as lists; the propagator's ``step``/``step_batch`` with every output checked."""
 
     stacked = False
+    capturing_graphs = False  #: (graphs: :meth:`StackedEngine.begin_graph`)
 
     def __init__(self, solver):
         self.solver = solver
@@ -472,6 +473,62 @@ class Tape:
         self.bound = None  # the stores in the propagator's form (built at the first replay)
 
 
+class _GraphNorm:
+    """A squared residual norm while a cycle is captured as CUDA graphs (nothing has run yet):
+    the terms it is the sum of, left to right, each a device norm buffer the graphs refill or
+    (an int) the slot of a message's norm computed between them. A sum with 0.0 (a rank's
+    empty share) is itself; anything else has no value a launch could refill."""
+
+    __slots__ = ("terms",)
+
+    def __init__(self, terms):
+        self.terms = tuple(terms)
+
+    def __add__(self, other):
+        if isinstance(other, _GraphNorm):
+            return _GraphNorm(self.terms + other.terms)
+        if type(other) is float and other == 0.0:
+            return self
+        raise TypeError(f"a captured graph's residual norm plus {type(other).__name__} "
+                        f"{other!r}: not a value a graph launch refills")
+
+    def __radd__(self, other):
+        if type(other) is float and other == 0.0:
+            return self
+        raise TypeError(f"{type(other).__name__} {other!r} plus a captured graph's residual "
+                        "norm: not a value a graph launch refills")
+
+    def value(self, norms):
+        """The sum after a launch (``norms``: the messages' norms by slot), a float."""
+        total = 0.0
+        for t in self.terms:
+            total = total + (norms[t] if isinstance(t, int) else float(t))
+        return total
+
+
+class GraphCycle:
+    """A cycle captured as CUDA graphs (:meth:`StackedEngine.begin_graph`): ``parts``, the
+    graphs (``launch()``) and the halo messages between them (:class:`_Action` with the arrays
+    themselves as stores: a graph's addresses are fixed) in the order they ran; ``result`` the
+    captured run's return value (a :class:`_GraphNorm`, 0.0 or None)."""
+
+    def __init__(self, parts, n_norms, result):
+        self.parts, self.n_norms, self.result = parts, n_norms, result
+        self.launches = 0
+
+    @property
+    def graphs(self):
+        """How many graphs one launch of the cycle launches."""
+        return sum(not isinstance(p, _Action) for p in self.parts)
+
+
+class _GraphRecorder:
+    """The parts of a cycle being captured as graphs (see :meth:`StackedEngine.begin_graph`)."""
+
+    def __init__(self):
+        self.parts, self.n_norms, self.tokens = [], 0, 0
+
+
 class _Recorder:
     """Collects the rows of the stacked engine's calls during one captured cycle."""
 
@@ -594,6 +651,7 @@ class StackedEngine(ListEngine):
         self.xp = xp
         self._scratch = {}
         self._rec = None  # the recorder of a cycle being captured
+        self._grec = None  # the parts of a cycle being captured as CUDA graphs
         self._pending, self._requests = {}, 0  # halo requests by token (see post_recv)
 
     # capture (mgnn.backend.tape): a fixed cycle recorded once, then replayed in one call
@@ -678,6 +736,53 @@ class StackedEngine(ListEngine):
         if isinstance(tape.result, list):
             return [_replayed(r, norms) for r in tape.result]
         return _replayed(tape.result, norms)
+
+    # CUDA graphs (a GPU propagator's ``begin_graph`` / ``end_graph``): stream capture records
+    # the cycle's launches without running them; on several ranks each halo message ends the
+    # graph being captured and is recorded as an action (not run: its data does not exist yet);
+    # a launch runs graph, message, graph, ... in the captured order
+    def begin_graph(self):
+        """Start capturing a cycle as graphs (:meth:`end_graph`)."""
+        self._grec = _GraphRecorder()
+        self.prop.begin_graph()
+
+    def end_graph(self, result):
+        """The :class:`GraphCycle` captured since :meth:`begin_graph`; ``result`` is the captured
+        run's return value."""
+        rec, self._grec = self._grec, None
+        rec.parts.append(self.prop.end_graph())
+        return GraphCycle(rec.parts, rec.n_norms, result)
+
+    @property
+    def capturing_graphs(self):
+        """Whether a cycle is being captured as graphs."""
+        return self._grec is not None
+
+    def abandon_graph(self):
+        """Leave a capture that failed (the failure is the news: errors ending it are not)."""
+        if self._grec is not None:
+            self._grec = None
+            try:
+                self.prop.end_graph()
+            except Exception:  # noqa: BLE001
+                pass
+
+    def launch_graph(self, cycle):
+        """Run a :class:`GraphCycle`: its graphs and, between them, its halo messages; returns
+        the cycle's value (a residual norm as a float)."""
+        norms = [0.0] * cycle.n_norms
+        for part in cycle.parts:
+            if isinstance(part, _Action):
+                value = part.fn(part.stores, self._pending, *part.args)
+                if part.norm >= 0:
+                    norms[part.norm] = value
+            else:
+                t0 = time.perf_counter()
+                part.launch()
+                self.solver._step_seconds += time.perf_counter() - t0
+        cycle.launches += 1
+        result = cycle.result
+        return result.value(norms) if isinstance(result, _GraphNorm) else result
 
     def _uncaptured(self, what):
         if self._rec is not None:
@@ -816,9 +921,12 @@ class StackedEngine(ListEngine):
                 rows[...] = G[1:L.m + 1]
             if L.a == 0:
                 rows[0] = U[1]
-        self.solver.halo.allgather_rows(rows, FG[1:n + 2], counts, displs)
+        self._host(self._allgathered, [rows, FG], (counts, displs, n))
         FU[1] = FG[1]
         return FU, (None if G is None else FG)
+
+    def _allgathered(self, S, pending, counts, displs, n):
+        self.solver.halo.allgather_rows(S[0], S[1][1:n + 2], counts, displs)
 
     def advance(self, lev, U, G, chains, plan=None, key=None):
         if not chains:
@@ -853,7 +961,7 @@ class StackedEngine(ListEngine):
                 buf = self._scratch[key] = r2.copy()
             else:
                 buf[...] = r2
-            r2 = buf
+            r2 = buf if self._grec is None else _GraphNorm((buf,))
         self.solver._step_seconds += time.perf_counter() - t0
         if self._rec is not None:
             norm = self._rec.steps(T.POINT, U, G, R, slots, [1] * len(slots), out_slots, origin,
@@ -868,7 +976,19 @@ class StackedEngine(ListEngine):
     def _host(self, fn, stores, args, norm=False, early=False):
         """``fn(stores, pending, *args)`` now (recording suspended), and while capturing an
         :class:`_Action` of the tape (its value a new norm if ``norm``; ``early``: an action
-        that touches no store, recorded before the current row segment)."""
+        that touches no store, recorded before the current row segment). While capturing
+        graphs it only records the action, ending the graph being captured (not ``early``)."""
+        grec = self._grec
+        if grec is not None:  # recorded only: it runs at every launch, between the graphs
+            index = -1
+            if norm:
+                index, grec.n_norms = grec.n_norms, grec.n_norms + 1
+            if not early:  # (early: touches no store, so it may go before the open graph)
+                grec.parts.append(self.prop.end_graph())
+            grec.parts.append(_Action(fn, list(stores), args, index))
+            if not early:
+                self.prop.begin_graph()
+            return _GraphNorm((index,)) if norm else None
         rec, self._rec = self._rec, None
         try:
             value = fn(stores, self._pending, *args)
@@ -891,6 +1011,9 @@ class StackedEngine(ListEngine):
         if self._rec is not None:
             self._rec.tokens += 1
             return ("tape", self._rec.tokens)
+        if self._grec is not None:
+            self._grec.tokens += 1
+            return ("graph", self._grec.tokens)
         self._requests += 1
         return self._requests
 
@@ -937,8 +1060,9 @@ class StackedEngine(ListEngine):
         self._host(self._ghost, [U], (token,))
 
     def recv_combine(self, token, lev, U, G, R, mode, out):
-        return self._host(self._combined, [U, G, R], (token, lev, mode, out),
-                          norm=mode == RESIDUAL)
+        r2 = self._host(self._combined, [U, G, R], (token, lev, mode, out),
+                        norm=mode == RESIDUAL)
+        return 0.0 if r2 is None else r2  # (None: recorded for graphs, no norm)
 
     def wait_send(self, token):
         self._host(self._waited, [], (token,))

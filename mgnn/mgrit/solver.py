@@ -231,8 +231,9 @@ class MGRITSolver:
         is then raised, with the same message, after the whole solve has run rather than after
         the cycle that diverged). A stacked
         propagator with ``graphs = True`` (``begin_graph``, ``end_graph``, ``graph_key``: a GPU
-        backend) instead has its second run of each cycle captured as a CUDA graph and launched
-        from then on (with ``reuse_states``, one rank, no spatial coarsening). Otherwise, or
+        backend) instead has its second run of each cycle captured as CUDA graphs and launched
+        from then on (with ``reuse_states`` and no spatial coarsening; on several ranks, with
+        ``overlap``, the halo messages run between the graphs, in the captured order). Otherwise, or
         ``False``, every cycle runs through the engine.
     abort_on_error : bool
         In a distributed solve, an exception on any rank (a user propagator's included) is
@@ -484,7 +485,10 @@ class MGRITSolver:
             eng.replica_advance(self._replica, lev, FU, FG, L.n, plan)
             eng.scatter_back(lev, FU, stores[0])
 
-        eng.host_call(solve_redundantly, [U, G])
+        if eng.capturing_graphs:  # its allgather is the one message; the rest goes in graphs
+            solve_redundantly([U, G])
+        else:
+            eng.host_call(solve_redundantly, [U, G])
 
     def _coarse_range(self, lev, i0):
         """(fine slot, coarse slot, count) of the coarse points i0 .. C.b - 1 held here: as
@@ -600,7 +604,8 @@ class MGRITSolver:
             return run()
         if not eng.can_capture():
             if (getattr(self.prop, "graphs", False) and self.reuse_states
-                    and self.options.tol == 0 and self.halo.size == 1 and not self._spatial):
+                    and self.options.tol == 0 and (self.halo.size == 1 or self.overlap)
+                    and not self._spatial):
                 return self._graph(key, U, run)
             return run()
         # (a cycle captured with a redundant coarsest solve replays it: the chain is another)
@@ -622,34 +627,29 @@ class MGRITSolver:
 
     def _graph(self, key, U, run):
         """:meth:`_captured` on a GPU backend: the first run allocates what the cycle uses, the
-        second is captured as a graph (the propagator's ``begin_graph`` / ``end_graph``: CUDA
-        stream capture), later ones launch it. The graph reads the stores, the layers and the
-        norm buffers at fixed addresses, so they key it (``reuse_states``: U stays put); the
-        value the captured run returned (a device norm buffer the graph refills, or 0.0) is
-        returned by every launch: fixed cycles only (``tol = 0``)."""
+        second is captured as graphs (:meth:`StackedEngine.begin_graph`: CUDA stream capture,
+        cut at every halo message on several ranks) and launched, later ones launch them. The
+        graphs read the stores, the layers, the message and norm buffers at fixed addresses, so
+        they key it (``reuse_states``: U stays put); a launch returns the cycle's residual norm
+        from the norm buffers the graphs refill and the messages' norms: fixed cycles only
+        (``tol = 0``)."""
         key = key + (U.shape, U.dtype.str, _address(U), self.prop.graph_key())
         entry = self._graphs.get(key)
+        eng = self.engine
         if entry is None:
             if len(self._graphs) >= 16:  # addresses that keep changing: no graph pays off
                 self._graphs.clear()
             self._graphs[key] = "warm"
             return run()
         if entry == "warm":
-            self.prop.begin_graph()
+            eng.begin_graph()
             try:
                 out = run()
             except BaseException:
-                try:
-                    self.prop.end_graph()  # leave stream capture; the run's error is the news
-                except Exception:  # noqa: BLE001
-                    pass
+                eng.abandon_graph()
                 raise
-            entry = self._graphs[key] = (self.prop.end_graph(), out)
-        graph, out = entry
-        t0 = time.perf_counter()
-        graph.launch()
-        self._step_seconds += time.perf_counter() - t0
-        return out
+            entry = self._graphs[key] = eng.end_graph(out)
+        return eng.launch_graph(entry)
 
     def _engine_for(self, u0):
         """The stacked engine for a ``stacked`` propagator and states of its array module, else

@@ -2,8 +2,14 @@
 
 "Device" arrays are a NumPy subclass that refuses to mix with plain NumPy arrays in ufuncs and
 array functions (as CuPy does), ``RawModule`` compiles the CUDA C through mgnn's host emulation,
-and the stream is a no-op. Put ``tests/fakegpu`` first on ``sys.path`` (in a subprocess) and run
-with ``NUMBA_ENABLE_CUDASIM=1`` so that the Numba CUDA kernels run in the simulator.
+and work runs at once on the host, except under stream capture (``Stream.begin_capture``): then,
+as in CUDA, nothing runs; kernel launches, cuBLAS GEMMs, ufuncs, assignments, copies and fills
+are recorded and run in order by every ``launch()`` of the graph ``end_capture`` returns (new
+arrays made during the capture are the graph's own, refilled at every launch), and reading a
+device value on the host (``get``, ``float``, ``item``, ``asnumpy``, a synchronize) is an error,
+as CUDA's "operation not permitted when stream is capturing". Put ``tests/fakegpu`` first on
+``sys.path`` (in a subprocess) and run with ``NUMBA_ENABLE_CUDASIM=1`` so that the Numba CUDA
+kernels run in the simulator.
 """
 import ctypes
 import re
@@ -15,6 +21,33 @@ __version__ = "0.0-fake"
 float32, float64, int32, int64, uint64 = (np.float32, np.float64, np.int32, np.int64,
                                           np.uint64)
 calls = {"to_device": 0, "to_host": 0}  # transfers, for tests
+_capture = None  # the operations recorded while a stream captures (None: not capturing)
+
+
+def _not_capturing(what):
+    if _capture is not None:
+        raise RuntimeError(f"fake cupy: {what} while a stream is capturing (CUDA: operation not "
+                           "permitted when stream is capturing)")
+
+
+def _record(op):
+    """``op()`` at every launch of the graph being captured (not now)."""
+    _capture.append(op)
+
+
+def _host(a):
+    return a.view(np.ndarray) if isinstance(a, np.ndarray) else a
+
+
+def _fresh(like_result):
+    """A new "device" array shaped like ``like_result`` (an array or a NumPy scalar): a graph's
+    own output buffer."""
+    return np.array(like_result, copy=True).view(ndarray)
+
+
+def _into(targets, values):
+    for t, v in zip(targets, values):
+        t.view(np.ndarray)[...] = v
 
 
 class ndarray(np.ndarray):
@@ -23,24 +56,103 @@ class ndarray(np.ndarray):
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
         _no_host_arrays(ufunc.__name__, inputs + tuple(kwargs.get("out", ())))
         args = [a.view(np.ndarray) if isinstance(a, ndarray) else a for a in inputs]
-        if "out" in kwargs:
-            kwargs["out"] = tuple(o.view(np.ndarray) for o in kwargs["out"])
-        out = getattr(ufunc, method)(*args, **kwargs)
-        return _wrap(out)
+        outs = kwargs.get("out")
+        if outs is not None:
+            kwargs["out"] = tuple(o.view(np.ndarray) for o in outs)
+        fn = getattr(ufunc, method)
+        if _capture is None:
+            return _wrap(fn(*args, **kwargs))
+        if outs is not None:  # into existing arrays: at every launch
+            _record(lambda: fn(*args, **kwargs))
+            return outs[0] if len(outs) == 1 else outs
+        res = fn(*args, **kwargs)  # (now only for the result's shape: refilled at launches)
+        res = tuple(_fresh(r) for r in res) if isinstance(res, tuple) else _fresh(res)
+        targets = res if isinstance(res, tuple) else (res,)
+        _record(lambda: _into(targets, fn(*args, **kwargs) if len(targets) > 1
+                              else (fn(*args, **kwargs),)))
+        return res
 
     def __array_function__(self, func, types_, args, kwargs):
         _no_host_arrays(func.__name__, _flat(args) + _flat(tuple(kwargs.values())))
+        if _capture is not None:
+            if func is np.copyto:
+                dst, src = (_host(a) for a in args[:2])
+                _record(lambda: np.copyto(dst, src, **kwargs))
+                return None
+            res = super().__array_function__(func, types_, args, kwargs)
+            if not isinstance(res, np.ndarray):
+                _not_capturing(f"{func.__name__} returning a host value")
+            if any(np.shares_memory(res, a) for a in _flat(args) if isinstance(a, np.ndarray)):
+                return res  # a view
+            res = _fresh(res)
+            _record(lambda: _into((res,), (super(ndarray, res).__array_function__(
+                func, types_, args, kwargs),)))
+            return res
         return super().__array_function__(func, types_, args, kwargs)
+
+    def __setitem__(self, key, value):
+        if _capture is None:
+            return super().__setitem__(key, value)
+        dst = self.view(np.ndarray)
+        src = _host(value) if isinstance(value, ndarray) else np.array(value, copy=True)
+        _record(lambda: dst.__setitem__(key, src))
+
+    def copy(self, order="C"):
+        if _capture is None:
+            return super().copy(order)
+        out = np.empty_like(self.view(np.ndarray), order=order).view(ndarray)
+        src = self.view(np.ndarray)
+        _record(lambda: np.copyto(out.view(np.ndarray), src))
+        return out
+
+    def astype(self, dtype, order="K", casting="unsafe", subok=True, copy=True):
+        if _capture is None or (not copy and np.dtype(dtype) == self.dtype):
+            return super().astype(dtype, order, casting, subok, copy)
+        out = np.empty(self.shape, dtype=dtype).view(ndarray)
+        src = self.view(np.ndarray)
+        _record(lambda: np.copyto(out.view(np.ndarray), src, casting="unsafe"))
+        return out
+
+    def fill(self, value):
+        if _capture is None:
+            return super().fill(value)
+        dst = self.view(np.ndarray)
+        _record(lambda: dst.fill(value))
 
     def get(self):
         """Device -> host copy."""
+        _not_capturing("a device -> host copy")
         calls["to_host"] += 1
         return np.array(self.view(np.ndarray), copy=True)
 
     def set(self, arr):
         """Host -> device copy into this array."""
         calls["to_device"] += 1
+        if _capture is not None:  # (CUDA: a memcpy node reading the host buffer at launch)
+            dst, src = self.view(np.ndarray), arr
+            _record(lambda: dst.__setitem__(Ellipsis, src))
+            return
         self.view(np.ndarray)[...] = arr
+
+    def item(self, *args):
+        _not_capturing("item()")
+        return super().item(*args)
+
+    def tolist(self):
+        _not_capturing("tolist()")
+        return super().tolist()
+
+    def __float__(self):
+        _not_capturing("float()")
+        return super().__float__()
+
+    def __int__(self):
+        _not_capturing("int()")
+        return super().__int__()
+
+    def __bool__(self):
+        _not_capturing("bool()")
+        return super().__bool__()
 
     @property
     def data(self):
@@ -85,10 +197,11 @@ def asarray(a, dtype=None, order=None):
 
 def ascontiguousarray(a, dtype=None):
     a = asarray(a, dtype)
-    return a if a.flags.c_contiguous else np.ascontiguousarray(a.view(np.ndarray)).view(ndarray)
+    return a if a.flags.c_contiguous else a.copy()
 
 
 def asnumpy(a, out=None):
+    _not_capturing("asnumpy")
     host = a.get() if isinstance(a, ndarray) else np.asarray(a)
     if out is not None:
         out[...] = host
@@ -127,14 +240,20 @@ def get_array_module(*args):
     return sys.modules[__name__]
 
 
-def _make(fn):
+def _make(fn, refill=True):
+    """A constructor; under capture one that fills its array refills it at every launch (CUDA:
+    a memset or fill kernel in the graph)."""
     def made(*args, **kwargs):
-        return fn(*args, **kwargs).view(ndarray)
+        out = fn(*args, **kwargs).view(ndarray)
+        if _capture is not None and refill:
+            value = np.array(out.view(np.ndarray), copy=True)
+            _record(lambda: out.view(np.ndarray).__setitem__(Ellipsis, value))
+        return out
     return made
 
 
-empty, zeros, ones, full, arange = (_make(np.empty), _make(np.zeros), _make(np.ones),
-                                    _make(np.full), _make(np.arange))
+empty, zeros, ones, full, arange = (_make(np.empty, refill=False), _make(np.zeros),
+                                    _make(np.ones), _make(np.full), _make(np.arange))
 
 
 def broadcast_to(a, shape):
@@ -147,11 +266,11 @@ def empty_like(a, dtype=None):
 
 
 def zeros_like(a, dtype=None):
-    return np.zeros(a.shape, dtype=dtype or a.dtype).view(ndarray)
+    return zeros(a.shape, dtype=dtype or a.dtype)
 
 
 def ones_like(a, dtype=None):
-    return np.ones(a.shape, dtype=dtype or a.dtype).view(ndarray)
+    return ones(a.shape, dtype=dtype or a.dtype)
 
 
 for _name in ("argmax", "isfinite", "count_nonzero", "where", "sqrt", "tanh", "matmul",
@@ -160,14 +279,56 @@ for _name in ("argmax", "isfinite", "count_nonzero", "where", "sqrt", "tanh", "m
 
 
 # ------------------------------------------------------------------------------- cuda namespace
-class _Stream:
+class _Graph:
+    """A captured graph: its recorded operations, run in order by :meth:`launch`."""
+
+    def __init__(self, ops):
+        self.ops = ops
+
+    def launch(self, stream=None):
+        _not_capturing("a graph launch")
+        calls["graph_launches"] = calls.get("graph_launches", 0) + 1
+        for op in self.ops:
+            op()
+
+
+class Stream:
+    """A stream (work runs at once on the host) with CUDA stream capture."""
+
     ptr = 0
 
+    def __init__(self, null=False, non_blocking=False, ptds=False):
+        self.capturing = False
+
+    def use(self):
+        global _current
+        _current = self
+        return self
+
     def synchronize(self):
+        _not_capturing("a stream synchronize")
         calls["sync"] = calls.get("sync", 0) + 1
 
+    def begin_capture(self, mode=None):
+        global _capture
+        if _capture is not None:
+            raise RuntimeError("fake cupy: a capture is already running")
+        _capture, self.capturing = [], True
+        calls["captures"] = calls.get("captures", 0) + 1
 
-_STREAM = _Stream()
+    def end_capture(self):
+        global _capture
+        if not self.capturing:
+            raise RuntimeError("fake cupy: end_capture on a stream that is not capturing")
+        ops, _capture, self.capturing = _capture, None, False
+        return _Graph(ops)
+
+    def is_capturing(self):
+        return self.capturing
+
+
+_STREAM = Stream()
+_current = _STREAM
 
 
 def _geometry(options):
@@ -196,6 +357,12 @@ class RawModule:
         fn = getattr(self.lib, f"mgnn_emu_{name}_{'f32' if t == 'float' else 'f64'}")
 
         def launch(grid, block, args):
+            if _capture is not None:  # the same launch at every launch of the graph
+                _record(lambda: launch_now(grid, block, args))
+                return
+            launch_now(grid, block, args)
+
+        def launch_now(grid, block, args):
             objs = []
             for a in args:
                 if isinstance(a, ndarray):
@@ -231,7 +398,8 @@ class _Device:
 
 cuda = types.SimpleNamespace(
     is_available=lambda: True,
-    get_current_stream=lambda: _STREAM,
+    Stream=Stream,
+    get_current_stream=lambda: _current,
     runtime=types.SimpleNamespace(getDeviceCount=lambda: 1),
     Device=_Device,
     device=types.SimpleNamespace(get_cublas_handle=lambda: 1),  # see tests/fakegpu/cupy_backends

@@ -39,6 +39,18 @@ def _gemm(dtype, handle, transa, transb, m, n, k, alpha, A, lda, strideA, B, ldb
     itemsize = np.dtype(dtype).itemsize
     a0 = np.frombuffer((ctypes.c_char * itemsize).from_address(alpha), dtype)[0]
     b0 = np.frombuffer((ctypes.c_char * itemsize).from_address(beta), dtype)[0]
+    import cupy  # the fake: under stream capture the GEMM runs at the graph's launches
+    if cupy._capture is not None:  # (alpha and beta: host values, read at capture, as cuBLAS)
+        cupy._capture.append(lambda: _run(dtype, transa, transb, m, n, k, a0, A, lda, strideA,
+                                          B, ldb, strideB, b0, C, ldc, strideC, batchCount))
+        return
+    _run(dtype, transa, transb, m, n, k, a0, A, lda, strideA, B, ldb, strideB, b0, C, ldc,
+         strideC, batchCount)
+
+
+def _run(dtype, transa, transb, m, n, k, a0, A, lda, strideA, B, ldb, strideB, b0, C, ldc,
+         strideC, batchCount):
+    itemsize = np.dtype(dtype).itemsize
     for p in range(batchCount):
         a = _matrix(A + p * strideA * itemsize, *((m, k) if transa == CUBLAS_OP_N else (k, m)),
                     lda, dtype)
