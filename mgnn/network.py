@@ -937,10 +937,14 @@ class LayerParallel:
         Wc = flat[:size_w].reshape((n_c,) + W.shape[1:])
         Sc = flat[size_w:].reshape((n_c,) + shape2)
         lo, hi = self.layers.start, self.layers.stop
-        for r, n in enumerate(rows):
-            if lo <= n < hi:
-                Wc[r] = W[n]
-                Sc[r] = second[n - lo] if adjoint else second[n]
+        mine = [r for r, n in enumerate(rows) if lo <= n < hi]  # consecutive r, layers S apart
+        if mine:  # one strided copy each (on a GPU: two launches, not two per layer)
+            r0, r1 = mine[0], mine[-1] + 1
+            first, last = min(rows[r0], rows[r1 - 1]), max(rows[r0], rows[r1 - 1])
+            order = slice(None, None, -1 if adjoint else 1)  # adjoint rows run down
+            Wc[r0:r1] = W[first:last + 1:S][order]
+            off = lo if adjoint else 0
+            Sc[r0:r1] = second[first - off:last - off + 1:S][order]
         t0 = time.perf_counter()
         _allreduce_staged(lay.layer_comm, flat, polled=True)
         self._replica_seconds += time.perf_counter() - t0
@@ -1119,7 +1123,8 @@ class LayerParallel:
         if getattr(out, "offsets", None) != p.offsets or out.shapes() != p.shapes():
             raise ValueError(f"out has parameters {out.shapes()}, expected model.params' "
                              f"{p.shapes()}")
-        if type(out.flat) is not type(p.flat) or out.flat.dtype != p.flat.dtype:
+        if (not isinstance(out.flat, type(p.flat)) and not isinstance(p.flat, type(out.flat))
+                or out.flat.dtype != p.flat.dtype):  # (a subclass is the same memory)
             raise TypeError(f"out holds {type(out.flat).__name__} {out.flat.dtype}; expected "
                             f"{type(p.flat).__name__} {p.flat.dtype} like model.params")
         if out.flat is p.flat or (out.flat.base is not None and out.flat.base is p.flat.base):

@@ -25,7 +25,8 @@ Sections (each check guarded: an exception becomes a FAIL row and the rest still
           c. one training step: MGRIT with stacked level states vs layer-by-layer serial
              forward + backward on the same device, and RawKernel launches per step;
           d. (section 4 in the table) ``python -m mgnn train --backend cuda`` on one GPU and under
-             ``mpiexec -n 2 ... --layer-ranks 2``.
+             ``mpiexec -n 2 ... --layer-ranks 2``; captured CUDA graphs on 2 layer ranks against
+             the uncaptured run (``tests/mpi/graph_cases.py``).
 5. cpu    the predictor against real ``mpiexec -n P`` MGRIT steps on the machine's cores
           (``scripts/validate_predictor.py``: P = 4, 8, 16 as the cores allow, 2 and 8 layers per
           rank, 3 and 5 levels, dense w 64 B 128): one row per point, PASS within 25 %.
@@ -1036,6 +1037,35 @@ def section_cli(rep, st, args):
                     detail=json.dumps(summary))
 
         guarded(rep, id, S, check, one)
+
+    graph_check = "captured CUDA graphs on 2 layer ranks (one GPU) vs uncaptured, bit for bit"
+    timeout = _budgeted(st, args.cli_timeout, reserve=10)
+    if mpiexec is None or timeout is None:
+        rep.skip("cli.graphs2", S, graph_check,
+                 "no mpiexec" if mpiexec is None else "time budget used up")
+        return
+
+    def graphs():  # tests/mpi/graph_cases.py: 4 SGD steps, float64, dense, redundant coarsest
+        env = child_env()
+        env.setdefault("NUMBA_NUM_THREADS", "1")
+        res = run_cmd([mpiexec, "-n", "2", sys.executable,
+                       os.path.join(REPO, "tests", "mpi", "graph_cases.py"), "dense",
+                       "redundant"], timeout, env=env)
+        got = next((json.loads(ln) for ln in reversed(res.lines) if ln.startswith("{")), None)
+        if res.rc != 0 or got is None:
+            msg = f"rc {res.rc}: {res.error()}"
+            return rep.add("cli.graphs2", S, graph_check, display=msg, target="equal",
+                           status="FAIL", detail=msg)
+        ok = (got["same_as_uncaptured"] and got["max_diff_numba"] <= 1e-12
+              and got["graph_launches"] > 0 and not got["fake_cupy"])
+        rep.add("cli.graphs2", S, graph_check, value=got["max_diff_numba"],
+                display=f"same as uncaptured: {got['same_as_uncaptured']}, vs numba "
+                        f"{got['max_diff_numba']:.1e}, {got['graph_launches']} graph launches, "
+                        f"up to {got['max_graphs_per_cycle']} graphs per cycle",
+                target="bitwise; numba <= 1e-12", status="PASS" if ok else "FAIL",
+                detail=json.dumps(got))
+
+    guarded(rep, "cli.graphs2", S, graph_check, graphs)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -80,17 +80,18 @@ def test_captured_graphs_on_several_layer_ranks_on_the_fake_cupy(ranks, kind, co
     """Captured cycles on 2, 3 and 4 layer ranks: each cycle is several graphs (cut at its halo
     messages, the redundant coarsest level's allgather included), launched at every step from
     the second on; four SGD steps on new data each give the uncaptured run's losses, gradients
-    and parameters bit for bit (tests/fakegpu/mpi_graphs.py)."""
+    and parameters bit for bit (tests/mpi/graph_cases.py)."""
     import json
     mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable))
     if mpiexec is None:
         pytest.skip("mpiexec not installed")
     proc = subprocess.run([mpiexec, "-n", str(ranks), sys.executable,
-                           os.path.join(FAKE, "mpi_graphs.py"), kind, coarsest], cwd=REPO,
+                           os.path.join(REPO, "tests", "mpi", "graph_cases.py"), kind,
+                           coarsest], cwd=REPO,
                           env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout[-2000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert got["same_as_uncaptured"], got
+    assert got["fake_cupy"] and got["same_as_uncaptured"], got
     assert got["max_diff_numba"] <= 1e-12, got
     n_solves = 2 * 3  # steps 2..4 capture or launch; a forward and an adjoint solve each
     assert got["cycles"] >= ranks * 4 and got["min_launches"] >= 3, got  # (3: every step after)

@@ -656,14 +656,59 @@ def format_training_steps(rows):
     return "\n".join(lines)
 
 
+class _QueuedArray(np.ndarray):
+    """A "device" array of :class:`CountingLauncher` (what its allocators return, and views of
+    it): an array operation that writes into one (an assignment, a ufunc with ``out``, ``fill``,
+    ``copyto``) is one CuPy launch on a GPU, whose host only queues it: counted in the
+    launcher's ``array_ops`` (or in the graph being captured) and not computed. Operations that
+    make a new array run as NumPy (small here: norms, scalars) and are counted too."""
+
+    launcher = None
+
+    def __array_finalize__(self, obj):
+        self.launcher = getattr(obj, "launcher", None)
+
+    def _queue(self):
+        if self.launcher is not None:
+            self.launcher.array_op()
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        outs = kwargs.get("out")
+        for a in inputs + tuple(outs or ()):
+            if isinstance(a, _QueuedArray) and a.launcher is not None:
+                a._queue()
+                break
+        if outs is not None and any(isinstance(o, _QueuedArray) for o in outs):
+            return outs[0] if len(outs) == 1 else outs  # queued, not computed
+        args = [a.view(np.ndarray) if isinstance(a, _QueuedArray) else a for a in inputs]
+        if outs is not None:
+            kwargs["out"] = tuple(o.view(np.ndarray) if isinstance(o, _QueuedArray) else o
+                                  for o in outs)
+        return getattr(ufunc, method)(*args, **kwargs)
+
+    def __array_function__(self, func, types, args, kwargs):
+        if func is np.copyto and isinstance(args[0], _QueuedArray):
+            args[0]._queue()
+            return None
+        return super().__array_function__(func, types, args, kwargs)
+
+    def __setitem__(self, key, value):
+        self._queue()
+
+    def fill(self, value):
+        self._queue()
+
+
 class CountingLauncher:
     """A RawKernel launcher that launches nothing: it counts the launches of each kernel and
     the allocations through its array module (``empty``, ``zeros``, ``ones``, ``full`` and their
-    ``_like`` forms, all zero-filled NumPy arrays), so a training step through
+    ``_like`` forms, all zero-filled), so a training step through
     :class:`mgnn.backend.cupy_raw.RawBackend` measures the host side of the GPU backend (Python
-    orchestration, pointer arrays, allocations) and its launch counts on any machine. Array work
-    done with NumPy itself (e.g. the MGRIT engine's strided copies / corrections, CuPy launches on
-    a GPU) runs for real and is neither counted as launches nor as allocations."""
+    orchestration, pointer arrays, allocations, launches) and its launch counts on any machine.
+    Its arrays are :class:`_QueuedArray`: array work on them (e.g. the MGRIT engine's strided
+    copies / corrections, CuPy launches on a GPU) is counted in ``array_ops`` and not done, as
+    a GPU's host only queues it; arrays of plain NumPy (``to_device`` returns its input) work as
+    usual."""
 
     name = "counting"
     on_device = False
@@ -681,6 +726,7 @@ class CountingLauncher:
         self.pointers = self.allocations = 0
         self._captured = None  # the launches of a graph being captured
         self.graph_kernels = 0  # kernels run by graph launches
+        self.array_ops = 0  # CuPy array operations queued outside graphs (see _QueuedArray)
 
     def begin_capture(self):
         """Record the launches that follow into a graph (:meth:`end_capture`) instead of counting
@@ -701,10 +747,21 @@ class CountingLauncher:
                 pos = args[1:] if name.startswith("full") else args  # full: after the value
                 dtype = kw["dtype"] if "dtype" in kw else (pos[0] if pos else None)
                 if name.endswith("_like"):
-                    return np.zeros_like(shape_or_a, dtype=dtype)
-                return np.zeros(shape_or_a, float if dtype is None else dtype)
+                    out = np.zeros(np.shape(shape_or_a), dtype=dtype or shape_or_a.dtype)
+                else:
+                    out = np.zeros(shape_or_a, float if dtype is None else dtype)
+                out = out.view(_QueuedArray)
+                out.launcher = self
+                return out
             return allocate
         return getattr(np, name)
+
+    def array_op(self):
+        """One CuPy array operation: in the graph being captured, else in ``array_ops``."""
+        if self._captured is not None:
+            self._captured["array op"] += 1
+        else:
+            self.array_ops += 1
 
     #: its "device" arrays are host NumPy arrays: on several ranks the halo hands them to MPI
     #: directly (:func:`mgnn.comm.make_device_halo`), as a CUDA-aware MPI takes device buffers
@@ -754,10 +811,14 @@ def bench_gpu_launches(n_layers=1024, width=64, batch=64, cf=4, levels=3, fwd_it
 
     Here a device pointer costs a NumPy ``__array_interface__`` read (~2 us; CuPy's
     ``.data.ptr`` is ~10x cheaper) and an allocation a zero fill, so ``host_seconds`` is an upper
-    bound of the GPU's host side; ``pointers`` and ``allocations`` count both. The MGRIT
-    engine's strided vector operations (copies, FAS corrections, injection) run as real NumPy
-    work here (on a GPU they are CuPy launches, not counted in ``launches``). Each step fills
-    one gradient buffer (``loss_and_grad(x, y, out=grads)``), as :func:`mgnn.train.fit` does.
+    bound of the GPU's host side; ``pointers`` and ``allocations`` count both. The array
+    operations on the device arrays (the MGRIT engine's strided copies, FAS corrections,
+    injections, zero fills: CuPy launches on a GPU) are counted in ``array_ops`` (outside
+    graphs) and not done, as a GPU's host only queues them (:class:`_QueuedArray`). Each step
+    fills one gradient buffer (``loss_and_grad(x, y, out=grads)``), as :func:`mgnn.train.fit`
+    does. On several ranks a step also waits for its neighbours and reductions:
+    ``mpi_seconds`` (the step's ``halo_wait``, ``allreduce`` and ``staging`` timings) and
+    ``busy_seconds`` (the rest: what the host itself does) say how much.
 
     Methods: 'mgrit' (each fixed MGRIT cycle captured as a graph on the second step and
     launched from the third on: a graph launch counts as one, 'graph'), 'mgrit no graphs' and
@@ -768,13 +829,15 @@ def bench_gpu_launches(n_layers=1024, width=64, batch=64, cf=4, levels=3, fwd_it
     CUDA-aware MPI library takes device buffers. The counts are rank 0's, ``host_seconds`` the
     slowest rank's median (collective: every rank calls this).
 
-    Returns a list of dicts: method, launches, launches_by_kernel, pointers, allocations
-    (of the third step: the first allocates the step's buffers, the second captures the
-    graphs), host_seconds (median), graph_kernels (the kernels the step's graph launches ran),
+    Returns a list of dicts: method, launches, launches_by_kernel, pointers, allocations,
+    array_ops (of the third step: the first allocates the step's buffers, the second captures
+    the graphs), host_seconds, mpi_seconds, busy_seconds (medians; several ranks: the slowest
+    rank's), graph_kernels (the kernels and array operations the step's graph launches ran),
     ranks.
     """
     from ..backend.cupy_raw import RawBackend
     from ..mgrit import MGRITOptions
+    from ..params import ParamDict
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((batch, width)).astype(np.float32)
     y = rng.integers(0, 10, batch)
@@ -790,26 +853,39 @@ def bench_gpu_launches(n_layers=1024, width=64, batch=64, cf=4, levels=3, fwd_it
                                guard=None, comm=comm)
         else:
             lp = LayerParallel(model, backend=bk, comm=comm)
-        grads = model.params.zeros_like()
+        # the gradient buffer on the "device" (as model.params.zeros_like() is on a GPU)
+        grads = ParamDict.allocate(model.params.shapes(), model.params.flat.dtype, launcher)
 
         def step():
             return lp.loss_and_grad(x, y, out=grads)
+
+        def timed():  # (seconds, of which in MPI: halo waits, reductions, staging)
+            t0 = time.perf_counter()
+            step()
+            seconds = time.perf_counter() - t0
+            t = lp.stats.get("timings") or {}
+            return seconds, sum(t.get(k, 0.0) for k in ("halo_wait", "allreduce", "staging"))
 
         step()
         step()
         launcher.launches.clear()
         launcher.pointers = launcher.allocations = launcher.graph_kernels = 0
+        launcher.array_ops = 0
         step()
         counts, graph_kernels = dict(launcher.launches), launcher.graph_kernels
-        pointers, allocations = launcher.pointers, launcher.allocations
+        pointers, allocations, array_ops = (launcher.pointers, launcher.allocations,
+                                            launcher.array_ops)
         if comm is not None:
             comm.Barrier()
-        seconds = median_time(step, repeats=repeats, warmup=0, min_time=0.0)
+        samples = np.array([timed() for _ in range(max(1, repeats))])
+        seconds, mpi = float(np.median(samples[:, 0])), float(np.median(samples[:, 1]))
+        busy = float(np.median(samples[:, 0] - samples[:, 1]))
         if comm is not None:
-            seconds = comm.allreduce(seconds, op=_mpi_max())
+            seconds, mpi, busy = (comm.allreduce(v, op=_mpi_max()) for v in (seconds, mpi, busy))
         out.append({"method": method, "n_layers": n_layers, "width": width, "batch": batch,
                     "launches": sum(counts.values()), "launches_by_kernel": counts,
                     "pointers": pointers, "allocations": allocations, "host_seconds": seconds,
+                    "mpi_seconds": mpi, "busy_seconds": busy, "array_ops": array_ops,
                     "graph_kernels": graph_kernels,
                     "ranks": 1 if comm is None else comm.Get_size()})
     return out
@@ -824,14 +900,16 @@ def format_gpu_launches(results):
     """Table of :func:`bench_gpu_launches` results."""
     ranks = results[0].get("ranks", 1) if results else 1
     lines = ["GPU backend, one training step, no kernel run (host side only)"
-             + (f", {ranks} layer ranks (counts: rank 0; host ms: the slowest rank):"
+             + (f", {ranks} layer ranks (counts: rank 0; ms: the slowest rank):"
                 if ranks > 1 else ":"),
-             f"{'method':>16} {'N':>6} {'launches':>9} {'in graphs':>10} {'pointers':>9} "
-             f"{'allocs':>7} {'host ms':>9}"]
+             f"{'method':>16} {'N':>6} {'launches':>9} {'in graphs':>10} {'array ops':>10} "
+             f"{'pointers':>9} {'allocs':>7} {'host ms':>8} {'in MPI':>7} {'busy ms':>8}"]
     for r in results:
         lines.append(f"{r['method']:>16} {r['n_layers']:>6} {r['launches']:>9} "
-                     f"{r.get('graph_kernels', 0):>10} {r['pointers']:>9} {r['allocations']:>7} "
-                     f"{1e3 * r['host_seconds']:9.1f}")
+                     f"{r.get('graph_kernels', 0):>10} {r.get('array_ops', 0):>10} "
+                     f"{r['pointers']:>9} {r['allocations']:>7} "
+                     f"{1e3 * r['host_seconds']:8.2f} {1e3 * r.get('mpi_seconds', 0.0):7.2f} "
+                     f"{1e3 * r.get('busy_seconds', r['host_seconds']):8.2f}")
     by = {r["method"]: r for r in results}
     s = by.get("serial")
     for name in ("mgrit", "mgrit no graphs"):
@@ -839,9 +917,9 @@ def format_gpu_launches(results):
         if m is not None and s is not None:
             lines.append(f"{name}: launches serial / MGRIT {s['launches'] / m['launches']:.1f}x; "
                          f"host time MGRIT / serial {m['host_seconds'] / s['host_seconds']:.2f}x")
-    lines.append("(third step; a graph launch counts as one; host ms include the MGRIT engine's "
-                 "strided vector operations outside graphs, run here as NumPy work: CuPy "
-                 "launches on a GPU, not counted as launches)")
+    lines.append("(third step; a graph launch counts as one, array ops are CuPy array "
+                 "operations outside graphs, queued and not done here; busy ms: host ms less "
+                 "the time in MPI waits and reductions)")
     return "\n".join(lines)
 
 

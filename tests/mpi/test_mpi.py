@@ -225,12 +225,17 @@ def test_captured_cycles_on_layer_ranks_equal_uncaptured(ranks, data_ranks):
 def test_bench_gpu_launches_on_two_layer_ranks():
     """``mpiexec -n 2 python -m mgnn bench gpu-launches``: the host side of a GPU training step
     on two layer ranks (the counting stand-in's arrays handed to MPI as a CUDA-aware library
-    takes device buffers), reported once, by rank 0."""
+    takes device buffers), reported once, by rank 0. The captured cycles are graphs cut at
+    their halo messages: more graphs than one rank's 5, fewer launches than without."""
     proc = mpirun(2, "-m", "mgnn", "bench", "gpu-launches", "--quick", "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")]
     assert [r["method"] for r in rows] == ["mgrit", "mgrit no graphs", "serial"]
     for r in rows:
         assert r["ranks"] == 2 and r["host_seconds"] > 0
-        # rank 0 holds half of the 128 layers: a forward and a backward launch per layer at least
-        assert r["launches"] >= 2 * 64
+        assert 0 < r["busy_seconds"] <= r["host_seconds"] and r["mpi_seconds"] >= 0
+        # rank 0 holds half of the 128 layers: a forward and a backward launch per layer at
+        # least (with graphs: inside them)
+        assert r["launches"] + r["graph_kernels"] >= 2 * 64
+    assert rows[0]["launches_by_kernel"].get("graph", 0) > 5
+    assert rows[0]["launches"] < rows[1]["launches"] / 2 and rows[1]["graph_kernels"] == 0

@@ -1,8 +1,12 @@
-"""Captured CUDA graphs on several layer ranks, on the fake cupy (run by tests/test_fake_gpu.py
-under ``mpiexec -n P`` with tests/fakegpu first on sys.path): each cycle is captured as graphs
-cut at its halo messages, which run between them at every launch. Four SGD steps on new data
-each step: losses, gradients and updated parameters bit for bit those of the uncaptured run,
-and equal to the numba backend to round-off. Prints one JSON line (rank 0)."""
+"""Captured CUDA graphs on several layer ranks, run under ``mpiexec -n P``: by
+tests/test_fake_gpu.py on the fake cupy (tests/fakegpu first on sys.path: the host emulation's
+kernels), by scripts/gpu_check.py on a GPU (CuPy's). Each cycle is captured as graphs cut at
+its halo messages, which run between them at every launch. Four SGD steps on new data each
+step: losses, gradients and updated parameters bit for bit those of the uncaptured run, and
+equal to the numba backend to round-off. Prints one JSON line (rank 0).
+
+    mpiexec -n 2 python tests/mpi/graph_cases.py dense redundant
+"""
 import json
 import sys
 
@@ -18,8 +22,9 @@ from mgnn.backend.cupy_raw import CupyLauncher, RawBackend
 from mgnn.backend.host_emulation import EMULATION_GEOMETRY
 from mgnn.mgrit.engines import GraphCycle
 
-assert cupy.__version__.endswith("fake"), "needs the fake cupy of tests/fakegpu first on sys.path"
-_backend._instances["cuda"] = RawBackend(CupyLauncher(EMULATION_GEOMETRY), "cuda")
+FAKE = cupy.__version__.endswith("fake")
+if FAKE:  # the emulated kernels with their tiny tiles
+    _backend._instances["cuda"] = RawBackend(CupyLauncher(EMULATION_GEOMETRY), "cuda")
 comm = MPI.COMM_WORLD
 kind, coarsest = sys.argv[1], sys.argv[2]
 FWD = MGRITOptions(cf=2, max_levels=3, max_iter=2, tol=0.0)
@@ -67,5 +72,6 @@ res = {"same_as_uncaptured": bool(comm.allreduce(same, op=MPI.LAND)),
                                       op=MPI.MIN),
        "redundant_solves": comm.allreduce(sum(sv.redundant_solves
                                               for sv in lp._solvers.values()))}
+res["fake_cupy"] = FAKE
 if comm.rank == 0:
     print(json.dumps(res))
