@@ -1123,8 +1123,9 @@ class LayerParallel:
         if getattr(out, "offsets", None) != p.offsets or out.shapes() != p.shapes():
             raise ValueError(f"out has parameters {out.shapes()}, expected model.params' "
                              f"{p.shapes()}")
-        if (not isinstance(out.flat, type(p.flat)) and not isinstance(p.flat, type(out.flat))
-                or out.flat.dtype != p.flat.dtype):  # (a subclass is the same memory)
+        if (is_device_array(out.flat) != is_device_array(p.flat)
+                or isinstance(out.flat, np.ndarray) != isinstance(p.flat, np.ndarray)
+                or out.flat.dtype != p.flat.dtype):  # (host or device; a subclass is fine)
             raise TypeError(f"out holds {type(out.flat).__name__} {out.flat.dtype}; expected "
                             f"{type(p.flat).__name__} {p.flat.dtype} like model.params")
         if out.flat is p.flat or (out.flat.base is not None and out.flat.base is p.flat.base):

@@ -84,6 +84,38 @@ def exit_status(exc):
     return code if isinstance(code, int) and not isinstance(code, bool) and 0 < code < 256 else 1
 
 
+#: SIGINTs received so far through :func:`_counting_int_handler` (one counter per process).
+_SIGINTS = [0]
+
+
+def _counting_int_handler(signum, frame):
+    """Python's default SIGINT handler (raise ``KeyboardInterrupt``), counting the signal
+    first: code that swallows the ``KeyboardInterrupt`` and raises something else (Numba's
+    argument unboxing turns it into "TypeError: can't unbox ...") still shows it was
+    interrupted."""
+    _SIGINTS[0] += 1
+    signal.default_int_handler(signum, frame)
+
+
+def _count_interrupts():
+    """Install :func:`_counting_int_handler` where Python's default SIGINT handler is (main
+    thread; a handler of the program's own is left alone); returns the count so far."""
+    try:
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signal.signal(signal.SIGINT, _counting_int_handler)
+    except (ValueError, OSError, AttributeError):  # not the main thread / no such signal
+        pass
+    return _SIGINTS[0]
+
+
+def _as_interrupt(exc):
+    """The ``KeyboardInterrupt`` an exception raised after a Ctrl-C stands for (traceback of
+    ``exc``, which is its cause)."""
+    out = KeyboardInterrupt().with_traceback(exc.__traceback__)
+    out.__cause__ = exc
+    return out
+
+
 def _ignore_interrupts():
     """Ignore SIGINT from now on (main thread only): nothing may stop an abort under way."""
     try:
@@ -102,17 +134,25 @@ def abort_on_error(comm, what="mgnn", collective=()):
     for a message. SIGINT is ignored while aborting, so a second Ctrl-C cannot interrupt it.
     Serial runs (``comm`` None or of size 1) and virtual ranks (:mod:`mgnn.comm.virtual`, whose
     scheduler ends every rank) re-raise. Either way an interrupt inside a Numba
-    kernel is reported as a ``KeyboardInterrupt``, not as the ``SystemError`` it surfaces as.
+    kernel is reported as a ``KeyboardInterrupt``, not as the ``SystemError`` it surfaces as, and
+    so is any other exception raised after a SIGINT reached the block (Numba's argument unboxing
+    turns the interrupt into a ``TypeError``): the SIGINT handler counts signals where Python's
+    default handler was installed.
 
     ``collective``: exception types that every rank raises at the same point (e.g. an MGRIT
     divergence seen in an all-reduced residual); they are re-raised on every rank instead, so the
     caller can report them with context.
     """
+    interrupts = _count_interrupts()
     try:
         yield
     except BaseException as exc:
+        if interrupt_behind(exc) is None and _SIGINTS[0] != interrupts:
+            exc = _as_interrupt(exc)  # what the interrupt became (a TypeError from Numba, ...)
         if comm is None or comm.Get_size() == 1 or _virtual(comm) or \
                 (collective and isinstance(exc, collective)):
+            if isinstance(exc, KeyboardInterrupt) and exc.__cause__ is not None:
+                raise exc from exc.__cause__
             if isinstance(exc, SystemError) and interrupt_behind(exc) is not None:
                 raise KeyboardInterrupt().with_traceback(exc.__traceback__) from None
             raise

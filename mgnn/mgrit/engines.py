@@ -291,6 +291,7 @@ class ListEngine:
         """(FU, FG): stores of every point 0..n of level ``lev`` on every rank, FU holding u_0
         (slot 1), FG the right-hand sides g_1..g_n (None if G is None)."""
         L, halo = self.solver.levels[lev], self.solver.halo
+        self.solver.redundant_solves += 1
         rows = [U[1] if j == 0 else (None if G is None else G[j - L.a + 1])
                 for j in range(L.a, L.b)]
         FU, FG = [None] * (n + 3), [None] * (n + 3)
@@ -742,9 +743,10 @@ class StackedEngine(ListEngine):
     # graph being captured and is recorded as an action (not run: its data does not exist yet);
     # a launch runs graph, message, graph, ... in the captured order
     def begin_graph(self):
-        """Start capturing a cycle as graphs (:meth:`end_graph`)."""
-        self._grec = _GraphRecorder()
+        """Start capturing a cycle as graphs (:meth:`end_graph`); an error starting the capture
+        leaves the engine as it was."""
         self.prop.begin_graph()
+        self._grec = _GraphRecorder()
 
     def end_graph(self, result):
         """The :class:`GraphCycle` captured since :meth:`begin_graph`; ``result`` is the captured
@@ -926,6 +928,7 @@ class StackedEngine(ListEngine):
         return FU, (None if G is None else FG)
 
     def _allgathered(self, S, pending, counts, displs, n):
+        self.solver.redundant_solves += 1  # (here: once per solve, captured or not)
         self.solver.halo.allgather_rows(S[0], S[1][1:n + 2], counts, displs)
 
     def advance(self, lev, U, G, chains, plan=None, key=None):

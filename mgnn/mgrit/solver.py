@@ -480,7 +480,6 @@ class MGRITSolver:
         plan = self._plan(lev, "redundant", None)
 
         def solve_redundantly(stores):  # a replayed cycle runs it again: this solve's replica
-            self.redundant_solves += 1
             FU, FG = eng.gather_level(lev, stores[0], stores[1], *counts, L.n)
             eng.replica_advance(self._replica, lev, FU, FG, L.n, plan)
             eng.scatter_back(lev, FU, stores[0])
@@ -642,8 +641,8 @@ class MGRITSolver:
             self._graphs[key] = "warm"
             return run()
         if entry == "warm":
-            eng.begin_graph()
             try:
+                eng.begin_graph()
                 out = run()
             except BaseException:
                 eng.abandon_graph()

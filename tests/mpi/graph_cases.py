@@ -2,7 +2,8 @@
 tests/test_fake_gpu.py on the fake cupy (tests/fakegpu first on sys.path: the host emulation's
 kernels), by scripts/gpu_check.py on a GPU (CuPy's). Each cycle is captured as graphs cut at
 its halo messages, which run between them at every launch. Four SGD steps on new data each
-step: losses, gradients and updated parameters bit for bit those of the uncaptured run, and
+step: losses, residual histories, gradients and updated parameters bit for bit those of the
+uncaptured run, and
 equal to the numba backend to round-off. Prints one JSON line (rank 0).
 
     mpiexec -n 2 python tests/mpi/graph_cases.py dense redundant
@@ -48,9 +49,10 @@ def train(backend, capture):
     for _ in range(4):
         x, y = rng.standard_normal(SHAPE), rng.integers(0, 3, SHAPE[0])
         loss, g = lp.loss_and_grad(x, y)
-        out.append((loss, to_host(g.flat).copy()))
+        res = tuple(tuple(lp.stats[k]["residuals"]) for k in ("forward", "adjoint"))
+        out.append((loss, to_host(g.flat).copy(), res))
         opt.step(g)
-    out.append((0.0, to_host(m.params.flat).copy()))
+    out.append((0.0, to_host(m.params.flat).copy(), ()))
     return lp, out
 
 
@@ -60,7 +62,8 @@ before = cupy.calls.get("graph_launches", 0)
 lp, graphed = train("cuda", True)
 cycles = [c for sv in lp._solvers.values() for c in sv._graphs.values()
           if isinstance(c, GraphCycle)]
-same = all(a[0] == b[0] and np.array_equal(a[1], b[1]) for a, b in zip(plain, graphed))
+same = all(a[0] == b[0] and np.array_equal(a[1], b[1]) and a[2] == b[2]  # residuals too
+           for a, b in zip(plain, graphed))
 err = max(max(abs(a[0] - b[0]), float(np.abs(a[1] - b[1]).max())) for a, b in zip(ref, graphed))
 res = {"same_as_uncaptured": bool(comm.allreduce(same, op=MPI.LAND)),
        "max_diff_numba": comm.allreduce(err, op=MPI.MAX),

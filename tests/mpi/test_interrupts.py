@@ -155,7 +155,9 @@ def test_second_interrupt_while_aborting_still_aborts(monkeypatch):
 
     monkeypatch.setattr(sys, "stderr", Interrupting())
     assert isinstance(_escaping(comm, SystemExit(0)), Aborted)
-    assert installed == [(signal.SIGINT, signal.SIG_IGN)] and comm.aborted == [1]
+    # (before it, entering the block may install the counting SIGINT handler)
+    assert installed[-1] == (signal.SIGINT, signal.SIG_IGN) and comm.aborted == [1]
+    assert all(h is layout._counting_int_handler for _, h in installed[:-1])
 
 
 def test_serial_interrupt_in_a_kernel_is_a_keyboard_interrupt():
@@ -164,6 +166,53 @@ def test_serial_interrupt_in_a_kernel_is_a_keyboard_interrupt():
     assert layout.interrupt_behind(SystemError()) is None
     assert type(_escaping(None, exc)) is KeyboardInterrupt
     assert type(_escaping(None, SystemError("not an interrupt"))) is SystemError
+
+
+def _interrupt_swallowed():
+    """A Ctrl-C that arrives in code which swallows the KeyboardInterrupt and raises something
+    else, as Numba's argument unboxing does ("TypeError: can't unbox ...")."""
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)  # (the handler raises at the next bytecode)
+    except KeyboardInterrupt:
+        raise TypeError("can't unbox a <class 'numba.typed.typedlist.List'> as a <NULL>") \
+            from None
+    raise AssertionError("no KeyboardInterrupt")
+
+
+@pytest.mark.parametrize("distributed", [False, True])
+def test_an_error_after_a_sigint_is_the_interrupt(distributed, capsys):
+    """Any exception raised after a SIGINT reached the block is reported as the interrupt
+    (serial: a KeyboardInterrupt caused by it; distributed: status 130); without a SIGINT the
+    same TypeError stays a TypeError, and a SIGINT handler of the program's own is kept."""
+    saved = signal.getsignal(signal.SIGINT)
+    try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        comm = FakeComm() if distributed else None
+        try:
+            with abort_on_error(comm, "t"):
+                _interrupt_swallowed()
+        except BaseException as exc:  # noqa: B036 -- a KeyboardInterrupt must not end pytest
+            out = exc
+        if distributed:
+            assert isinstance(out, Aborted) and comm.aborted == [130]
+            assert "t: rank 1: KeyboardInterrupt" in capsys.readouterr().err
+        else:
+            assert type(out) is KeyboardInterrupt and type(out.__cause__) is TypeError
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        assert type(_escaping(comm, TypeError("can't unbox"))) is (
+            Aborted if distributed else TypeError)
+        if distributed:
+            assert comm.aborted == [130, 1]
+
+        def own(signum, frame):
+            pass
+
+        signal.signal(signal.SIGINT, own)
+        with abort_on_error(None, "t"):
+            assert signal.getsignal(signal.SIGINT) is own
+    finally:
+        signal.signal(signal.SIGINT, saved)
 
 
 def test_abort_that_returns_still_ends_the_rank_nonzero():
