@@ -90,6 +90,13 @@ class ndarray(np.ndarray):
             return res
         return super().__array_function__(func, types_, args, kwargs)
 
+    def __getitem__(self, key):
+        out = super().__getitem__(key)
+        if isinstance(out, np.ndarray):
+            return out
+        # an element: a 0-d view, as CuPy returns (reading it on the host is a transfer)
+        return super().__getitem__((key if isinstance(key, tuple) else (key,)) + (Ellipsis,))
+
     def __setitem__(self, key, value):
         if _capture is None:
             return super().__setitem__(key, value)
@@ -134,25 +141,6 @@ class ndarray(np.ndarray):
             return
         self.view(np.ndarray)[...] = arr
 
-    def item(self, *args):
-        _not_capturing("item()")
-        return super().item(*args)
-
-    def tolist(self):
-        _not_capturing("tolist()")
-        return super().tolist()
-
-    def __float__(self):
-        _not_capturing("float()")
-        return super().__float__()
-
-    def __int__(self):
-        _not_capturing("int()")
-        return super().__int__()
-
-    def __bool__(self):
-        _not_capturing("bool()")
-        return super().__bool__()
 
     @property
     def data(self):
@@ -161,6 +149,19 @@ class ndarray(np.ndarray):
     def __dlpack_device__(self):
         """A device array: (kDLCUDA, device 0), as CuPy reports."""
         return (_DL_CUDA, 0)
+
+
+def _host_read(name):
+    """ndarray method ``name``, refused while a stream captures (it reads a device value)."""
+    def method(self, *args):
+        _not_capturing(f"{name}()")
+        return getattr(np.ndarray, name)(self, *args)
+    method.__name__ = name
+    return method
+
+
+for _name in ("item", "tolist", "__float__", "__int__", "__bool__"):
+    setattr(ndarray, _name, _host_read(_name))
 
 
 def _flat(seq):
