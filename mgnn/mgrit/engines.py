@@ -896,11 +896,15 @@ class StackedEngine(ListEngine):
                   OUT=coarse0, LEN=k)
 
     def _tmp(self, like, k):
-        key = (like.shape[1:], like.dtype.str)
+        """k states of scratch for a correction on the coarse store ``like``: one buffer per
+        store shape (k <= its slots), so never reallocated: a captured graph reads it at a
+        fixed address."""
+        key = ("tmp", like.shape, like.dtype.str)
         buf = self._scratch.get(key)
-        if buf is None or buf.shape[0] < k:
-            buf = self._scratch[key] = self.xp.empty((max(k, like.shape[0]),) + like.shape[1:],
-                                                     dtype=like.dtype)
+        if buf is None:
+            buf = self._scratch[key] = self.xp.empty(like.shape, dtype=like.dtype)
+        if k > buf.shape[0]:
+            raise ValueError(f"a correction of {k} states on a store of {buf.shape[0]} slots")
         return buf[:k]
 
     def _origin(self, lev):
