@@ -74,7 +74,9 @@ res = {"same_as_uncaptured": bool(comm.allreduce(same, op=MPI.LAND)),
        "min_launches": comm.allreduce(min((c.launches for c in cycles), default=0),
                                       op=MPI.MIN),
        "redundant_solves": comm.allreduce(sum(sv.redundant_solves
-                                              for sv in lp._solvers.values()))}
+                                              for sv in lp._solvers.values())),
+       # arrays made while capturing (the fake counts them): freed by CuPy while graphs use them
+       "capture_allocs": comm.allreduce(cupy.calls.get("capture_allocs", 0)) if FAKE else None}
 res["fake_cupy"] = FAKE
 if comm.rank == 0:
     print(json.dumps(res))

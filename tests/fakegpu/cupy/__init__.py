@@ -35,6 +35,14 @@ def _record(op):
     _capture.append(op)
 
 
+def _allocated():
+    """Count an array made while a stream captures (``calls["capture_allocs"]``): real CuPy
+    returns it to the memory pool once Python drops it, while the graph still writes it, so
+    mgnn's captured cycles must make none (here the recorded work keeps it alive)."""
+    if _capture is not None:
+        calls["capture_allocs"] = calls.get("capture_allocs", 0) + 1
+
+
 def _host(a):
     return a.view(np.ndarray) if isinstance(a, np.ndarray) else a
 
@@ -42,6 +50,7 @@ def _host(a):
 def _fresh(like_result):
     """A new "device" array shaped like ``like_result`` (an array or a NumPy scalar): a graph's
     own output buffer."""
+    _allocated()
     return np.array(like_result, copy=True).view(ndarray)
 
 
@@ -107,6 +116,7 @@ class ndarray(np.ndarray):
     def copy(self, order="C"):
         if _capture is None:
             return super().copy(order)
+        _allocated()
         out = np.empty_like(self.view(np.ndarray), order=order).view(ndarray)
         src = self.view(np.ndarray)
         _record(lambda: np.copyto(out.view(np.ndarray), src))
@@ -115,6 +125,7 @@ class ndarray(np.ndarray):
     def astype(self, dtype, order="K", casting="unsafe", subok=True, copy=True):
         if _capture is None or (not copy and np.dtype(dtype) == self.dtype):
             return super().astype(dtype, order, casting, subok, copy)
+        _allocated()
         out = np.empty(self.shape, dtype=dtype).view(ndarray)
         src = self.view(np.ndarray)
         _record(lambda: np.copyto(out.view(np.ndarray), src, casting="unsafe"))
@@ -193,6 +204,7 @@ def asarray(a, dtype=None, order=None):
     if isinstance(a, ndarray):
         return a if dtype is None or a.dtype == dtype else a.astype(dtype)
     calls["to_device"] += 1
+    _allocated()
     return np.array(a, dtype=dtype, copy=True, order=order or "K").view(ndarray)
 
 
@@ -245,6 +257,7 @@ def _make(fn, refill=True):
     """A constructor; under capture one that fills its array refills it at every launch (CUDA:
     a memset or fill kernel in the graph)."""
     def made(*args, **kwargs):
+        _allocated()
         out = fn(*args, **kwargs).view(ndarray)
         if _capture is not None and refill:
             value = np.array(out.view(np.ndarray), copy=True)
@@ -263,6 +276,7 @@ def broadcast_to(a, shape):
 
 
 def empty_like(a, dtype=None):
+    _allocated()
     return np.empty(a.shape, dtype=dtype or a.dtype).view(ndarray)
 
 
