@@ -78,7 +78,6 @@ class ListEngine:
     """Stores as lists; the propagator's ``step``/``step_batch`` with every output checked."""
 
     stacked = False
-    capturing_graphs = False  #: (graphs: :meth:`StackedEngine.begin_graph`)
 
     def __init__(self, solver):
         self.solver = solver
@@ -722,17 +721,10 @@ class StackedEngine(ListEngine):
             self.prop.run_tape(stores, tape.rows, tape.hs, norms)
             self.solver._step_seconds += time.perf_counter() - t0
         else:  # row segments and the halo messages between them, in the captured order
-            arrays, pending = [U0] + tape.stores[1:], {}
-            for part in tape.parts:
-                if isinstance(part, _Action):
-                    value = part.fn([None if i < 0 else arrays[i] for i in part.stores],
-                                    pending, *part.args)
-                    if part.norm >= 0:
-                        norms[part.norm] = value
-                else:
-                    t0 = time.perf_counter()
-                    self.prop.run_tape(stores, part, tape.hs, norms)
-                    self.solver._step_seconds += time.perf_counter() - t0
+            arrays = [U0] + tape.stores[1:]
+            self._run_parts(tape.parts, norms,
+                            lambda action: [None if i < 0 else arrays[i] for i in action.stores],
+                            lambda part: self.prop.run_tape(stores, part, tape.hs, norms))
         tape.replays += 1
         if isinstance(tape.result, list):
             return [_replayed(r, norms) for r in tape.result]
@@ -755,11 +747,6 @@ class StackedEngine(ListEngine):
         rec.parts.append(self.prop.end_graph())
         return GraphCycle(rec.parts, rec.n_norms, result)
 
-    @property
-    def capturing_graphs(self):
-        """Whether a cycle is being captured as graphs."""
-        return self._grec is not None
-
     def abandon_graph(self):
         """Leave a capture that failed (the failure is the news: errors ending it are not)."""
         if self._grec is not None:
@@ -773,18 +760,26 @@ class StackedEngine(ListEngine):
         """Run a :class:`GraphCycle`: its graphs and, between them, its halo messages; returns
         the cycle's value (a residual norm as a float)."""
         norms = [0.0] * cycle.n_norms
-        for part in cycle.parts:
+        self._run_parts(cycle.parts, norms, lambda action: action.stores,
+                        lambda graph: graph.launch())
+        cycle.launches += 1
+        result = cycle.result
+        return result.value(norms) if isinstance(result, _GraphNorm) else result
+
+    def _run_parts(self, parts, norms, stores_of, run):
+        """A captured cycle's ``parts`` in order: each :class:`_Action` (a halo message) on
+        ``stores_of(action)``, its value into ``norms`` where it has a slot; ``run(part)`` for
+        the others (a tape's row segment, a graph), timed as steps."""
+        pending = {}  # (the cycle's own requests: posted and completed within it)
+        for part in parts:
             if isinstance(part, _Action):
-                value = part.fn(part.stores, self._pending, *part.args)
+                value = part.fn(stores_of(part), pending, *part.args)
                 if part.norm >= 0:
                     norms[part.norm] = value
             else:
                 t0 = time.perf_counter()
-                part.launch()
+                run(part)
                 self.solver._step_seconds += time.perf_counter() - t0
-        cycle.launches += 1
-        result = cycle.result
-        return result.value(norms) if isinstance(result, _GraphNorm) else result
 
     def _uncaptured(self, what):
         if self._rec is not None:
@@ -990,10 +985,11 @@ class StackedEngine(ListEngine):
             index = -1
             if norm:
                 index, grec.n_norms = grec.n_norms, grec.n_norms + 1
-            if not early:  # (early: touches no store, so it may go before the open graph)
-                grec.parts.append(self.prop.end_graph())
-            grec.parts.append(_Action(fn, list(stores), args, index))
-            if not early:
+            action = _Action(fn, list(stores), args, index)
+            if early:  # touches no store: it may go before the open graph
+                grec.parts.append(action)
+            else:  # ends the open graph; the next one starts after it
+                grec.parts += [self.prop.end_graph(), action]
                 self.prop.begin_graph()
             return _GraphNorm((index,)) if norm else None
         rec, self._rec = self._rec, None
@@ -1069,12 +1065,14 @@ class StackedEngine(ListEngine):
     def recv_combine(self, token, lev, U, G, R, mode, out):
         r2 = self._host(self._combined, [U, G, R], (token, lev, mode, out),
                         norm=mode == RESIDUAL)
-        return 0.0 if r2 is None else r2  # (None: recorded for graphs, no norm)
+        return r2 if mode == RESIDUAL else 0.0
 
     def wait_send(self, token):
         self._host(self._waited, [], (token,))
 
     def host_call(self, fn, stores):
+        if self._grec is not None:  # captured as it runs: its device work goes in the graphs,
+            return fn(stores)  # the messages it sends through this engine between them
         return self._host(lambda S, pending: fn(S), stores, ())
 
     def _send_buffer(self, lev, U):

@@ -484,10 +484,7 @@ class MGRITSolver:
             eng.replica_advance(self._replica, lev, FU, FG, L.n, plan)
             eng.scatter_back(lev, FU, stores[0])
 
-        if eng.capturing_graphs:  # its allgather is the one message; the rest goes in graphs
-            solve_redundantly([U, G])
-        else:
-            eng.host_call(solve_redundantly, [U, G])
+        eng.host_call(solve_redundantly, [U, G])
 
     def _coarse_range(self, lev, i0):
         """(fine slot, coarse slot, count) of the coarse points i0 .. C.b - 1 held here: as
