@@ -17,7 +17,8 @@ from .comm import (Layout, abort_on_error, agree_on_errors, apply_threads, confi
 from .comm.halo import tag
 from .guard import escalated_options, make_guard
 from .mgrit import DivergenceError, MGRITOptions, MGRITSolver, hierarchy
-from .mgrit.partition import Partition, balanced_starts, block_work, layer_work
+from .mgrit.partition import (Partition, balanced_starts, block_work, layer_work,
+                              replica_rows)
 from .blocks.composed import ComposedStep, StepContext
 from .params import ParamDict
 # re-exported: what mgnn.network held before the models and propagators moved out
@@ -913,7 +914,8 @@ class LayerParallel:
     def _refresh_replica(self, solver, derivs=None):
         """Before a solve with a redundant coarsest level: every rank gets the coarsest level's
         layers (forward: weights and biases; adjoint: weights and sigma' ``derivs`` of this
-        rank's layers) from their owners, one allreduce of a zero-filled buffer (exact copies)."""
+        rank's layers) from their owners: two allgathers of the owners' rows (exact copies;
+        device buffers kept per shape, so that captured graphs read fixed addresses)."""
         if solver.coarsest != "redundant":
             return
         m, lay = self.model, self.layout
@@ -923,30 +925,40 @@ class LayerParallel:
         steps = m.step_params()
         W = steps["weight"]
         second = derivs if adjoint else steps["bias"]
-        rows = [N - (r + 1) * S for r in range(n_c)] if adjoint else [r * S for r in range(n_c)]
-        shape2 = second.shape[1:]
-        size_w, size_2 = n_c * W[0].size, n_c * int(np.prod(shape2, dtype=np.int64))
-        if self.xp is np:  # fresh zero pages each solve (the allreduce writes them all anyway)
-            flat = np.zeros(size_w + size_2, dtype=m.dtype)
-        else:  # one device buffer, zeroed each solve
-            key = (adjoint, shape2)
-            flat = self._replica_buffers.get(key)
-            if flat is None:
-                flat = self._replica_buffers[key] = self.xp.empty(size_w + size_2, m.dtype)
-            flat[...] = 0
-        Wc = flat[:size_w].reshape((n_c,) + W.shape[1:])
-        Sc = flat[size_w:].reshape((n_c,) + shape2)
-        lo, hi = self.layers.start, self.layers.stop
-        mine = [r for r, n in enumerate(rows) if lo <= n < hi]  # consecutive r, layers S apart
-        if mine:  # one strided copy each (on a GPU: two launches, not two per layer)
-            r0, r1 = mine[0], mine[-1] + 1
-            first, last = min(rows[r0], rows[r1 - 1]), max(rows[r0], rows[r1 - 1])
-            order = slice(None, None, -1 if adjoint else 1)  # adjoint rows run down
-            Wc[r0:r1] = W[first:last + 1:S][order]
-            off = lo if adjoint else 0
-            Sc[r0:r1] = second[first - off:last - off + 1:S][order]
+        shape_w, shape_2 = (n_c,) + W.shape[1:], (n_c,) + second.shape[1:]
+        spans = [replica_rows(*self.partition.fine_range(q), N, S, n_c, adjoint)
+                 for q in range(lay.layer_size)]
+        r0, r1 = spans[lay.layer_rank]
+        counts, displs = [b - a for a, b in spans], [a for a, _ in spans]
+        # this rank's rows, layer r S (forward) or N - (r + 1) S (adjoint) for r in [r0, r1):
+        # one strided slice of the owned layers (adjoint rows run down)
+        first = r0 * S if not adjoint else N - r1 * S
+        off = self.layers.start if adjoint else 0  # derivs hold the owned layers only
+        order = slice(None, None, -1 if adjoint else 1)
+        if r1 > r0:
+            last = first + (r1 - r0 - 1) * S
+            mine_w = W[first:last + 1:S][order]
+            mine_2 = second[first - off:last - off + 1:S][order]
+        else:
+            mine_w, mine_2 = W[:0], second[:0]
+        if self.xp is np:  # fresh pages each solve (virtual runs hold thousands of ranks)
+            Wc, Sc = np.empty(shape_w, m.dtype), np.empty(shape_2, m.dtype)
+            send_w, send_2 = np.ascontiguousarray(mine_w), np.ascontiguousarray(mine_2)
+        else:  # device buffers kept per shape (one strided copy each: two launches)
+            key = (adjoint, shape_w, shape_2)
+            bufs = self._replica_buffers.get(key)
+            if bufs is None:
+                xp = self.xp
+                bufs = self._replica_buffers[key] = (
+                    xp.empty(shape_w, m.dtype), xp.empty(shape_2, m.dtype),
+                    xp.empty((r1 - r0,) + shape_w[1:], m.dtype),
+                    xp.empty((r1 - r0,) + shape_2[1:], m.dtype))
+            Wc, Sc, send_w, send_2 = bufs
+            send_w[...] = mine_w
+            send_2[...] = mine_2
         t0 = time.perf_counter()
-        _allreduce_staged(lay.layer_comm, flat, polled=True)
+        solver.halo.allgather_rows(send_w, Wc, counts, displs)
+        solver.halo.allgather_rows(send_2, Sc, counts, displs)
         self._replica_seconds += time.perf_counter() - t0
         solver.prop.replicas = {lev: CoarseReplica(solver.prop, Wc, Sc, S, adjoint)}
 

@@ -40,6 +40,20 @@ def block_starts(n_points, n_blocks, align=1):
     return starts
 
 
+def replica_rows(lo, hi, n_layers, stride, n_rows, adjoint=False):
+    """The rows [r0, r1) of the redundant coarsest level's layer copies that the owner of
+    layers [lo, hi) holds: row r is layer r * stride (forward) or n_layers - (r + 1) * stride
+    (adjoint), for r in range(n_rows) (see :class:`mgnn.propagators.CoarseReplica`). Empty
+    spans are (r, r)."""
+    hi = min(hi, n_layers)
+    if adjoint:  # lo <= N - (r + 1) S < hi  <=>  (N - hi) // S <= r < (N - lo) // S
+        r0, r1 = (n_layers - hi) // stride, (n_layers - lo) // stride
+    else:  # lo <= r S < hi  <=>  ceil(lo / S) <= r < ceil(hi / S)
+        r0, r1 = -(-lo // stride), -(-hi // stride)
+    r0, r1 = min(max(r0, 0), n_rows), min(max(r1, 0), n_rows)
+    return r0, max(r0, r1)
+
+
 def _positive_int(name, v, lo=1):
     if isinstance(v, bool) or not isinstance(v, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {v!r}")

@@ -7,7 +7,7 @@ import pytest
 from mgnn.mgrit import MGRITOptions, MGRITSolver, cycle_work, level_sizes
 from mgnn.mgrit.hierarchy import step_weights
 from mgnn.mgrit.partition import (Partition, balanced_starts, block_starts, block_work,
-                                  layer_work)
+                                  layer_work, replica_rows)
 
 
 def _check_valid(starts, n, blocks, cf):
@@ -240,3 +240,20 @@ def test_spatial_coarsening_balances_with_cheaper_coarse_steps():
         unweighted = balanced_starts(32, P, 4, work=plain, **kw)
         assert max(block_work(32, weighted, work=work, **kw)) == pytest.approx(best)
         assert max(block_work(32, unweighted, work=work, **kw)) > best + 0.4
+
+
+def test_replica_rows_are_the_owned_rows_of_the_redundant_coarsest_level():
+    """replica_rows (arithmetic) against the rows listed one by one, for every layer block,
+    stride and row count, forward (row r: layer r S) and adjoint (layer N - (r + 1) S)."""
+    checked = 0
+    for N in range(1, 25):
+        for S in range(1, 7):
+            for n_rows in range(0, -(-N // S) + 1):
+                for adjoint in (False, True):
+                    layer = [N - (r + 1) * S if adjoint else r * S for r in range(n_rows)]
+                    for lo, hi in itertools.combinations(range(N + 1), 2):
+                        mine = [r for r in range(n_rows) if lo <= layer[r] < hi]
+                        r0, r1 = replica_rows(lo, hi, N, S, n_rows, adjoint)
+                        assert list(range(r0, r1)) == mine, (N, S, n_rows, adjoint, lo, hi)
+                        checked += bool(mine)
+    assert checked > 1000
