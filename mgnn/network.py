@@ -211,6 +211,7 @@ class LayerParallel:
         # written) (fused, recurrent kinds)
         self._kept = None
         self._replica_buffers, self._replica_seconds = {}, 0.0
+        self._replica_weights = None  # ((stride, rows), device copy) of this step's forward
         self._arrays = {}  # per-shape arrays reused by every step (:meth:`_reused`)
         #: the guard's "iterate further" options (kept alive: solvers are cached by their id)
         self._escalated = (escalated_options(fwd), escalated_options(bwd))
@@ -408,7 +409,7 @@ class LayerParallel:
         prev = self._previous_states
         if self.warm_start and prev is not None and prev[1] == st.batch:
             guess = prev[0].__getitem__
-        self._replica_seconds = 0.0
+        self._replica_seconds, self._replica_weights = 0.0, None
         res, st.d_open = self._distributed_forward(st.x, fwd or self._serial_opts, guess)
         st.add(res)
         if fwd is not None:
@@ -915,7 +916,8 @@ class LayerParallel:
         """Before a solve with a redundant coarsest level: every rank gets the coarsest level's
         layers (forward: weights and biases; adjoint: weights and sigma' ``derivs`` of this
         rank's layers) from their owners: two allgathers of the owners' rows (exact copies;
-        device buffers kept per shape, so that captured graphs read fixed addresses)."""
+        device buffers kept per shape, so that captured graphs read fixed addresses; on a
+        device the adjoint's weights are the step's forward copy reversed where they can be)."""
         if solver.coarsest != "redundant":
             return
         m, lay = self.model, self.layout
@@ -944,7 +946,7 @@ class LayerParallel:
         if self.xp is np:  # fresh pages each solve (virtual runs hold thousands of ranks)
             Wc, Sc = np.empty(shape_w, m.dtype), np.empty(shape_2, m.dtype)
             send_w, send_2 = np.ascontiguousarray(mine_w), np.ascontiguousarray(mine_2)
-        else:  # device buffers kept per shape (one strided copy each: two launches)
+        else:  # device buffers kept per shape (one strided copy each)
             key = (adjoint, shape_w, shape_2)
             bufs = self._replica_buffers.get(key)
             if bufs is None:
@@ -954,10 +956,21 @@ class LayerParallel:
                     xp.empty((r1 - r0,) + shape_w[1:], m.dtype),
                     xp.empty((r1 - r0,) + shape_2[1:], m.dtype))
             Wc, Sc, send_w, send_2 = bufs
-            send_w[...] = mine_w
+        # the adjoint's weight rows are the forward's of this step, reversed, when the level
+        # tiles the layers (N = n_c S): one device copy instead of a collective
+        fwd = self._replica_weights
+        reuse = adjoint and fwd is not None and fwd[0] == (S, n_c) and N == n_c * S
+        if self.xp is not np:
+            if reuse:
+                Wc[...] = fwd[1][::-1]
+            else:
+                send_w[...] = mine_w
             send_2[...] = mine_2
+            if not adjoint:
+                self._replica_weights = ((S, n_c), Wc)
         t0 = time.perf_counter()
-        solver.halo.allgather_rows(send_w, Wc, counts, displs)
+        if not (reuse and self.xp is not np):
+            solver.halo.allgather_rows(send_w, Wc, counts, displs)
         solver.halo.allgather_rows(send_2, Sc, counts, displs)
         self._replica_seconds += time.perf_counter() - t0
         solver.prop.replicas = {lev: CoarseReplica(solver.prop, Wc, Sc, S, adjoint)}
