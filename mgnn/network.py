@@ -72,8 +72,8 @@ class LayerParallel:
     coarsest : {'redundant', 'sequential'}
         How a distributed MGRIT solve treats its coarsest level: 'redundant' (default) gathers
         the level's right-hand sides and every rank steps the whole level with compact copies of
-        its layers (refreshed from their owners at each solve: one small allreduce), 'sequential'
-        passes the solution along the ranks as a chain.
+        its layers (refreshed from their owners at each solve: two allgathers of their rows),
+        'sequential' passes the solution along the ranks as a chain.
     threads : 'auto', int or None
         BLAS and Numba threads of this process (:func:`mgnn.comm.configure_threads`). 'auto'
         (default): ``max(1, cores // ranks sharing them)`` Numba threads (a single process: its
