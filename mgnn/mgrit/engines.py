@@ -356,6 +356,10 @@ class ListEngine:
         """Wait until a send started by :meth:`send_boundary` has left its buffer."""
         self.solver.halo.wait(token)
 
+    def flush_sends(self, last=False):
+        """Complete the sends whose waits :meth:`wait_send` deferred (none here); ``last``: at
+        the end of a captured cycle."""
+
     def host_call(self, fn, stores):
         """``fn(stores)``: a host operation on whole stores (a collective)."""
         return fn(stores)
@@ -448,6 +452,10 @@ def _replayed(result, norms):
     return _Norm(total, result)
 
 
+def _nothing(S, pending):
+    """The action of :meth:`StackedEngine.flush_sends` after its waits."""
+
+
 class _Action:
     """A host operation of a captured cycle (a halo message, a collective), replayed between
     the tape's row segments as it ran: ``fn(stores, pending, *args)`` with the tape's stores
@@ -527,6 +535,7 @@ class _GraphRecorder:
 
     def __init__(self):
         self.parts, self.n_norms, self.tokens = [], 0, 0
+        self.open_empty = False  # the graph being captured is empty by construction
 
 
 class _Recorder:
@@ -653,6 +662,9 @@ class StackedEngine(ListEngine):
         self._rec = None  # the recorder of a cycle being captured
         self._grec = None  # the parts of a cycle being captured as CUDA graphs
         self._pending, self._requests = {}, 0  # halo requests by token (see post_recv)
+        # sends from the send buffers whose waits are deferred to the next host action (a
+        # send buffer of each level alternates between two: the one written next is free)
+        self._deferred, self._send_turn = [], {}
 
     # capture (mgnn.backend.tape): a fixed cycle recorded once, then replayed in one call
     def can_capture(self):
@@ -674,7 +686,7 @@ class StackedEngine(ListEngine):
         return None if rec is None else rec.finish(result, key, self.xp)
 
     def abandon_capture(self):
-        self._rec = None
+        self._rec, self._deferred = None, []
 
     def merge_tapes(self, tapes, key):
         """One :class:`Tape` that runs ``tapes`` (captured on this engine, level-0 store item 0 in
@@ -744,11 +756,14 @@ class StackedEngine(ListEngine):
         """The :class:`GraphCycle` captured since :meth:`begin_graph`; ``result`` is the captured
         run's return value."""
         rec, self._grec = self._grec, None
-        rec.parts.append(self.prop.end_graph())
+        graph = self.prop.end_graph()
+        if not rec.open_empty:  # (after a last flush the open graph captured nothing)
+            rec.parts.append(graph)
         return GraphCycle(rec.parts, rec.n_norms, result)
 
     def abandon_graph(self):
         """Leave a capture that failed (the failure is the news: errors ending it are not)."""
+        self._deferred = []
         if self._grec is not None:
             self._grec = None
             try:
@@ -980,6 +995,9 @@ class StackedEngine(ListEngine):
         :class:`_Action` of the tape (its value a new norm if ``norm``; ``early``: an action
         that touches no store, recorded before the current row segment). While capturing
         graphs it only records the action, ending the graph being captured (not ``early``)."""
+        if self._deferred and not early:  # the deferred send waits first, in one action
+            fn, args = self._after_sends, (tuple(self._deferred), fn) + tuple(args)
+            self._deferred = []
         grec = self._grec
         if grec is not None:  # recorded only: it runs at every launch, between the graphs
             index = -1
@@ -1037,6 +1055,12 @@ class StackedEngine(ListEngine):
     def _waited(self, S, pending, token):
         self.solver.halo.wait(pending.pop(token))
 
+    def _after_sends(self, S, pending, tokens, fn, *args):
+        """The deferred sends ``tokens`` waited for, then ``fn(S, pending, *args)``."""
+        for token in tokens:
+            self.solver.halo.wait(pending.pop(token))
+        return fn(S, pending, *args)
+
     def post_recv(self, lev, source, tag_):
         token = self._token()
         self._host(self._irecv, [], (token, lev, source, tag_), early=True)
@@ -1050,13 +1074,13 @@ class StackedEngine(ListEngine):
 
     def send_boundary(self, lev, U, plan, dest, tag_):
         L = self.solver.levels[lev]
-        if self.solver.pull:
-            store, slot = U, L.m
-        else:  # the step out of b-1 into the spare last slot's place, into the send buffer
-            store, slot = self._send_buffer(lev, U), 0
+        store = self._send_buffer(lev, U)
+        if self.solver.pull:  # the last owned state, copied (its slot is written next)
+            self.inject(U, store, L.m, 1, 0, 1)
+        else:  # the step out of b-1 into the spare last slot's place
             self.points(lev, U, None, store, [L.b], [0], PLAIN, plan, ("boundary",))
         token = self._token()
-        self._host(self._isend, [store], (token, slot, dest, tag_))
+        self._host(self._isend, [store], (token, 0, dest, tag_))
         return token
 
     def recv_ghost(self, token, U):
@@ -1068,7 +1092,20 @@ class StackedEngine(ListEngine):
         return r2 if mode == RESIDUAL else 0.0
 
     def wait_send(self, token):
-        self._host(self._waited, [], (token,))
+        """Waited for at the next host action: the send's buffer is not written before (the
+        level's next send uses its other buffer), and a captured cycle is cut once per message,
+        not twice."""
+        self._deferred.append(token)
+
+    def flush_sends(self, last=False):
+        """Complete the deferred sends (one host action): at the end of every cycle and solve,
+        so that no request outlives the cycle that started it. ``last``: the cycle being
+        captured as graphs ends here (no device work follows: no graph after the action)."""
+        if self._deferred:
+            tokens, self._deferred = tuple(self._deferred), []
+            self._host(self._after_sends, [], (tokens, _nothing))
+            if last and self._grec is not None:
+                self._grec.open_empty = True
 
     def host_call(self, fn, stores):
         if self._grec is not None:  # captured as it runs: its device work goes in the graphs,
@@ -1076,11 +1113,15 @@ class StackedEngine(ListEngine):
         return self._host(lambda S, pending: fn(S), stores, ())
 
     def _send_buffer(self, lev, U):
+        """Level ``lev``'s next send buffer (1, *state): its two in turn, made together (no
+        allocation while a cycle is captured as graphs)."""
+        turn = self._send_turn[lev] = 1 - self._send_turn.get(lev, 1)  # 0, 1, 0, ...
         key = ("send", lev, U.shape[1:], U.dtype.str)
-        buf = self._scratch.get(key)
-        if buf is None:
-            buf = self._scratch[key] = self.xp.empty((1,) + U.shape[1:], dtype=U.dtype)
-        return buf
+        pair = self._scratch.get(key)
+        if pair is None:
+            pair = self._scratch[key] = tuple(
+                self.xp.empty((1,) + U.shape[1:], dtype=U.dtype) for _ in range(2))
+        return pair[turn]
 
     def combine_message(self, lev, U, G, R, msg, mode, out):
         t0 = time.perf_counter()

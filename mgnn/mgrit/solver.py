@@ -596,6 +596,12 @@ class MGRITSolver:
         time (:meth:`StackedEngine.begin_capture`), replayed after that; uncaptured where the
         engine cannot capture (see ``capture``)."""
         eng = self.engine
+        cycle = run
+
+        def run():  # the cycle, its deferred send waits completed within it (last)
+            out = cycle()
+            eng.flush_sends(last=True)
+            return out
         if not (self.capture and eng.stacked):
             return run()
         if not eng.can_capture():
@@ -704,6 +710,7 @@ class MGRITSolver:
         result = MGRITResult(tol=float(o.tol))
         if len(self.sizes) == 1:
             self._update(0, U, None, lambda j: True, "coarsest")
+            eng.flush_sends()
             result.iterations, result.converged = 1, True
         else:
             # a fixed cycle count whose cycles all replayed once: from then on the whole solve
@@ -732,6 +739,7 @@ class MGRITSolver:
                     break
             if keep:
                 self._f_relax(U, None, 0, "final")
+                eng.flush_sends()
             elif outs is None:
                 self._captured(("final",), U, lambda: self._f_relax(U, None, 0, "final"))
             if (outs is None and whole is not None
@@ -744,6 +752,7 @@ class MGRITSolver:
                               "MGRITResult.residuals and .converged; raise max_iter, or set "
                               "MGRITOptions.warn_not_converged=False for a fixed budget)",
                               NotConvergedWarning, stacklevel=3)
+        eng.flush_sends()  # (each cycle completes its own: nothing is left here)
         result.states = eng.states_view(L0, U, N)
         result.store = (U, L0.a) if eng.stacked and L0.m else None
         result.final = result.states[N]

@@ -75,6 +75,10 @@ res = {"same_as_uncaptured": bool(comm.allreduce(same, op=MPI.LAND)),
                                       op=MPI.MIN),
        "redundant_solves": comm.allreduce(sum(sv.redundant_solves
                                               for sv in lp._solvers.values())),
+       # graphs that captured nothing (the fake's graphs list their operations): a launch each
+       "empty_graphs": comm.allreduce(sum(
+           not p.graph.ops for c in cycles for p in c.parts
+           if hasattr(getattr(p, "graph", None), "ops"))) if FAKE else None,
        # arrays made while capturing (the fake counts them): freed by CuPy while graphs use them
        "capture_allocs": comm.allreduce(cupy.calls.get("capture_allocs", 0)) if FAKE else None}
 res["fake_cupy"] = FAKE
