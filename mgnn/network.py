@@ -17,8 +17,7 @@ from .comm import (Layout, abort_on_error, agree_on_errors, apply_threads, confi
 from .comm.halo import tag
 from .guard import escalated_options, make_guard
 from .mgrit import DivergenceError, MGRITOptions, MGRITSolver, hierarchy
-from .mgrit.partition import (Partition, balanced_starts, block_work, layer_work,
-                              replica_rows)
+from .mgrit.partition import Partition, balanced_starts, block_work, layer_work
 from .blocks.composed import ComposedStep, StepContext
 from .params import ParamDict
 # re-exported: what mgnn.network held before the models and propagators moved out
@@ -928,10 +927,9 @@ class LayerParallel:
         W = steps["weight"]
         second = derivs if adjoint else steps["bias"]
         shape_w, shape_2 = (n_c,) + W.shape[1:], (n_c,) + second.shape[1:]
-        spans = [replica_rows(*self.partition.fine_range(q), N, S, n_c, adjoint)
-                 for q in range(lay.layer_size)]
-        r0, r1 = spans[lay.layer_rank]
-        counts, displs = [b - a for a, b in spans], [a for a, _ in spans]
+        counts, displs = self.partition.replica_counts(S, n_c, adjoint)
+        r0 = displs[lay.layer_rank]
+        r1 = r0 + counts[lay.layer_rank]
         # this rank's rows, layer r S (forward) or N - (r + 1) S (adjoint) for r in [r0, r1):
         # one strided slice of the owned layers (adjoint rows run down)
         first = r0 * S if not adjoint else N - r1 * S
@@ -947,7 +945,7 @@ class LayerParallel:
             Wc, Sc = np.empty(shape_w, m.dtype), np.empty(shape_2, m.dtype)
             send_w, send_2 = np.ascontiguousarray(mine_w), np.ascontiguousarray(mine_2)
         else:  # device buffers kept per shape (one strided copy each)
-            key = (adjoint, shape_w, shape_2)
+            key = (adjoint, shape_w, shape_2, S, r0, r1)
             bufs = self._replica_buffers.get(key)
             if bufs is None:
                 xp = self.xp

@@ -679,6 +679,7 @@ class StackedEngine(ListEngine):
 
     def begin_capture(self, U0):
         self._rec = _Recorder(self, U0)
+        self._deferred = []  # (none are left by a cycle; an earlier error's are stale)
 
     def end_capture(self, result, key):
         """The captured :class:`Tape` (None if the cycle cannot be replayed)."""
@@ -751,6 +752,7 @@ class StackedEngine(ListEngine):
         leaves the engine as it was."""
         self.prop.begin_graph()
         self._grec = _GraphRecorder()
+        self._deferred = []  # (none are left by a cycle; an earlier error's are stale)
 
     def end_graph(self, result):
         """The :class:`GraphCycle` captured since :meth:`begin_graph`; ``result`` is the captured
@@ -1000,6 +1002,7 @@ class StackedEngine(ListEngine):
             self._deferred = []
         grec = self._grec
         if grec is not None:  # recorded only: it runs at every launch, between the graphs
+            grec.open_empty = False
             index = -1
             if norm:
                 index, grec.n_norms = grec.n_norms, grec.n_norms + 1

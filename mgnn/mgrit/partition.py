@@ -391,6 +391,31 @@ class Partition:
         adjoint solve): block order is reversed."""
         return _mirrored(self)
 
+    def replica_counts(self, stride, n_rows, adjoint=False):
+        """(counts, displacements) of the rows of a redundant coarsest level's layer copies that
+        every rank owns (:func:`replica_rows` of its block), in rank order (the layout of their
+        allgather), as tuples of int. Computed once per (partition, level, direction) in a
+        process (virtual runs: thousands of ranks, one computation)."""
+        return _replica_counts(self, int(stride), int(n_rows), bool(adjoint))
+
+
+@functools.lru_cache(maxsize=64)
+def _replica_counts(partition, stride, n_rows, adjoint):
+    """:meth:`Partition.replica_counts`, vectorised (:func:`replica_rows` for every block)."""
+    N = partition.n_steps
+    st = np.array(partition.starts + (N + 1,), dtype=np.int64)
+    lo, hi = st[:-1], np.minimum(st[1:], N)
+    if adjoint:
+        r0, r1 = (N - hi) // stride, (N - lo) // stride
+    else:
+        r0, r1 = -(-lo // stride), -(-hi // stride)
+    r0 = np.clip(r0, 0, n_rows)
+    r1 = np.maximum(np.clip(r1, 0, n_rows), r0)
+    counts, displs = [0] * len(st[:-1]), [0] * len(st[:-1])
+    for q, rank in enumerate(partition.ranks):
+        counts[rank], displs[rank] = int(r1[q] - r0[q]), int(r0[q])
+    return tuple(counts), tuple(displs)
+
 
 @functools.lru_cache(maxsize=64)
 def _level_counts(partition, spacing, n_level):

@@ -257,3 +257,22 @@ def test_replica_rows_are_the_owned_rows_of_the_redundant_coarsest_level():
                         assert list(range(r0, r1)) == mine, (N, S, n_rows, adjoint, lo, hi)
                         checked += bool(mine)
     assert checked > 1000
+
+
+def test_replica_counts_are_every_ranks_replica_rows():
+    """Partition.replica_counts (vectorised, cached) against replica_rows rank by rank, for
+    partitions with ranks in order and reversed, forward and adjoint."""
+    rng = np.random.default_rng(3)
+    for _ in range(300):
+        N = int(rng.integers(2, 60))
+        P = int(rng.integers(1, min(N, 8) + 1))
+        starts = (0,) + tuple(sorted(rng.choice(np.arange(1, N), P - 1, replace=False).tolist()))
+        S = int(rng.integers(1, 9))
+        n_rows = -(-N // S)
+        for ranks in (tuple(range(P)), tuple(reversed(range(P)))):
+            part = Partition(N, starts, ranks)
+            for adjoint in (False, True):
+                counts, displs = part.replica_counts(S, n_rows, adjoint)
+                for r in range(P):
+                    r0, r1 = replica_rows(*part.fine_range(r), N, S, n_rows, adjoint)
+                    assert (displs[r], counts[r]) == (r0, r1 - r0) or counts[r] == r1 - r0 == 0
