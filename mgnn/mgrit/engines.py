@@ -1097,8 +1097,11 @@ class StackedEngine(ListEngine):
     def wait_send(self, token):
         """Waited for at the next host action: the send's buffer is not written before (the
         level's next send uses its other buffer), and a captured cycle is cut once per message,
-        not twice."""
-        self._deferred.append(token)
+        not twice. Without ``overlap`` (the baseline that waits first) now."""
+        if self.solver.overlap:
+            self._deferred.append(token)
+        else:
+            self._host(self._waited, [], (token,))
 
     def flush_sends(self, last=False):
         """Complete the deferred sends (one host action): at the end of every cycle and solve,
