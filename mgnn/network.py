@@ -941,6 +941,7 @@ class LayerParallel:
             mine_2 = second[first - off:last - off + 1:S][order]
         else:
             mine_w, mine_2 = W[:0], second[:0]
+        reuse = False
         if self.xp is np:  # fresh pages each solve (virtual runs hold thousands of ranks)
             Wc, Sc = np.empty(shape_w, m.dtype), np.empty(shape_2, m.dtype)
             send_w, send_2 = np.ascontiguousarray(mine_w), np.ascontiguousarray(mine_2)
@@ -954,11 +955,10 @@ class LayerParallel:
                     xp.empty((r1 - r0,) + shape_w[1:], m.dtype),
                     xp.empty((r1 - r0,) + shape_2[1:], m.dtype))
             Wc, Sc, send_w, send_2 = bufs
-        # the adjoint's weight rows are the forward's of this step, reversed, when the level
-        # tiles the layers (N = n_c S): one device copy instead of a collective
-        fwd = self._replica_weights
-        reuse = adjoint and fwd is not None and fwd[0] == (S, n_c) and N == n_c * S
-        if self.xp is not np:
+            # the adjoint's weight rows are the forward's of this step, reversed, when the
+            # level tiles the layers (N = n_c S): one device copy instead of a collective
+            fwd = self._replica_weights
+            reuse = adjoint and fwd is not None and fwd[0] == (S, n_c) and N == n_c * S
             if reuse:
                 Wc[...] = fwd[1][::-1]
             else:
@@ -967,7 +967,7 @@ class LayerParallel:
             if not adjoint:
                 self._replica_weights = ((S, n_c), Wc)
         t0 = time.perf_counter()
-        if not (reuse and self.xp is not np):
+        if not reuse:
             solver.halo.allgather_rows(send_w, Wc, counts, displs)
         solver.halo.allgather_rows(send_2, Sc, counts, displs)
         self._replica_seconds += time.perf_counter() - t0

@@ -401,19 +401,13 @@ class Partition:
 
 @functools.lru_cache(maxsize=64)
 def _replica_counts(partition, stride, n_rows, adjoint):
-    """:meth:`Partition.replica_counts`, vectorised (:func:`replica_rows` for every block)."""
-    N = partition.n_steps
-    st = np.array(partition.starts + (N + 1,), dtype=np.int64)
-    lo, hi = st[:-1], np.minimum(st[1:], N)
-    if adjoint:
-        r0, r1 = (N - hi) // stride, (N - lo) // stride
-    else:
-        r0, r1 = -(-lo // stride), -(-hi // stride)
-    r0 = np.clip(r0, 0, n_rows)
-    r1 = np.maximum(np.clip(r1, 0, n_rows), r0)
-    counts, displs = [0] * len(st[:-1]), [0] * len(st[:-1])
-    for q, rank in enumerate(partition.ranks):
-        counts[rank], displs[rank] = int(r1[q] - r0[q]), int(r0[q])
+    """:meth:`Partition.replica_counts`: :func:`replica_rows` of every block, once."""
+    N, st = partition.n_steps, partition.starts
+    counts, displs = [0] * len(st), [0] * len(st)
+    for q, (lo, hi) in enumerate(zip(st, st[1:] + (N + 1,))):
+        r0, r1 = replica_rows(lo, hi, N, stride, n_rows, adjoint)
+        rank = partition.ranks[q]
+        counts[rank], displs[rank] = r1 - r0, r0
     return tuple(counts), tuple(displs)
 
 

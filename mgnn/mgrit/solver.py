@@ -710,7 +710,6 @@ class MGRITSolver:
         result = MGRITResult(tol=float(o.tol))
         if len(self.sizes) == 1:
             self._update(0, U, None, lambda j: True, "coarsest")
-            eng.flush_sends()
             result.iterations, result.converged = 1, True
         else:
             # a fixed cycle count whose cycles all replayed once: from then on the whole solve
@@ -739,7 +738,6 @@ class MGRITSolver:
                     break
             if keep:
                 self._f_relax(U, None, 0, "final")
-                eng.flush_sends()
             elif outs is None:
                 self._captured(("final",), U, lambda: self._f_relax(U, None, 0, "final"))
             if (outs is None and whole is not None
@@ -752,7 +750,7 @@ class MGRITSolver:
                               "MGRITResult.residuals and .converged; raise max_iter, or set "
                               "MGRITOptions.warn_not_converged=False for a fixed budget)",
                               NotConvergedWarning, stacklevel=3)
-        eng.flush_sends()  # (each cycle completes its own: nothing is left here)
+        eng.flush_sends()  # the uncaptured sweeps' sends (a captured cycle completes its own)
         result.states = eng.states_view(L0, U, N)
         result.store = (U, L0.a) if eng.stacked and L0.m else None
         result.final = result.states[N]

@@ -260,7 +260,7 @@ def test_replica_rows_are_the_owned_rows_of_the_redundant_coarsest_level():
 
 
 def test_replica_counts_are_every_ranks_replica_rows():
-    """Partition.replica_counts (vectorised, cached) against replica_rows rank by rank, for
+    """Partition.replica_counts (cached, in rank order) against replica_rows rank by rank, for
     partitions with ranks in order and reversed, forward and adjoint."""
     rng = np.random.default_rng(3)
     for _ in range(300):
