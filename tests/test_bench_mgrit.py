@@ -138,4 +138,14 @@ def test_training_steps_of_every_kind_against_their_algorithmic_work():
             3 * r["layers"])
         assert r["algorithmic_s"] == pytest.approx(algorithmic)
         assert r["ratio"] == pytest.approx(r["mgrit_s"] / algorithmic)
-    assert format_training_steps(rows).count("\n") == 2
+        # per phase: the bare chains' prices of a forward and an adjoint evaluation, the rest
+        # of the serial step once
+        assert 0 < r["step_fwd_s"] and 0 < r["step_adj_s"] and r["rest_s"] >= 0
+        assert r["rest_s"] == pytest.approx(max(
+            r["serial_s"] - r["layers"] * (r["step_fwd_s"] + r["step_adj_s"]), 0.0))
+        phases = (r["work_fwd"] * r["step_fwd_s"] + r["work_adj"] * r["step_adj_s"]
+                  + r["rest_s"])
+        assert r["phases_s"] == pytest.approx(phases)
+        assert r["phase_ratio"] == pytest.approx(r["mgrit_s"] / phases)
+        assert r["fwd_solve_ratio"] > 0 and r["adj_solve_ratio"] > 0
+    assert format_training_steps(rows).count("\n") == 4

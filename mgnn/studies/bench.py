@@ -601,7 +601,12 @@ def bench_training_steps(quick=False, cf=4, levels=3, cycles=(2, 2), repeats=5, 
     adjoint steps and N parameter-gradient steps (issue 36's definition; MGRIT also
     re-linearises its owned layers at the final states, forward-equivalent evaluations that the
     serial step gets from its forward sweep: N for fused and recurrent kinds, N / cf for composed
-    ones, which keep the final sweep's caches; they count against MGRIT here). float32 relu
+    ones, which keep the final sweep's caches; they count against MGRIT here). Beside it the
+    model per phase: a forward evaluation priced at a step of the bare forward chain (one
+    ``advance`` over all N layers, no caches kept), an adjoint one at a step of the bare adjoint
+    chain, and the rest of the serial step (its linearisation caches, parameter gradients,
+    loss, opening and closing) once; ``fwd_solve_ratio`` / ``adj_solve_ratio``: each MGRIT
+    solve over its evaluations at those prices (what the solves add to their steps). float32 relu
     models of fixed sizes (``quick``: smaller), whatever ``bench``'s other flags say. Fastest
     samples, interleaved rounds. ``cases``: the labels to run (prefixes; None: all). Returns one
     dict per case."""
@@ -617,21 +622,38 @@ def bench_training_steps(quick=False, cf=4, levels=3, cycles=(2, 2), repeats=5, 
             y = rng.integers(0, 10, xshape[0])
             opts = [MGRITOptions(cf=cf, max_levels=levels, nrelax=[0, 1], tol=0.0, max_iter=c,
                                  skip_downcycle=True, warn_not_converged=False) for c in cycles]
+            one_level = MGRITOptions(max_levels=1)
             serial = LayerParallel(model, backend="numba", guard=None, threads=None)
             lp = LayerParallel(model, *opts, backend="numba", guard=None, threads=None, **kw)
+            # the same propagators on one level (N steps a solve): the price of one evaluation
+            exact = LayerParallel(model, one_level, one_level, backend="numba", guard=None,
+                                  threads=None)
             N = model.n_layers
             sizes = level_sizes(N, cf, levels, opts[0].min_coarse)
             cost = getattr(lp, "level_cost", None)
             work = [sum(cycle_work(sizes, cf, o.nrelax_on, k == 0, level_cost=cost)
                         for k in range(o.max_iter)) + sizes[0] - sizes[1] for o in opts]
+            exact.loss_and_grad(x, y)  # its solvers, their stores and linearisations
             runs = {"serial": lambda: serial.loss_and_grad(x, y),
-                    "mgrit": lambda: lp.loss_and_grad(x, y)}
+                    "mgrit": lambda: lp.loss_and_grad(x, y),
+                    "forward chain": _bare_chain(exact._solver("forward", one_level)),
+                    "adjoint chain": _bare_chain(exact._solver("adjoint", one_level))}
+            lp.loss_and_grad(x, y)  # builds its solvers
+            solves = {kind: _timed_solves(lp._solver(kind, o))
+                      for kind, o in zip(("forward", "adjoint"), opts)}
             samples = {k: [] for k in runs}
             for _ in range(rounds):
                 for k, fn in runs.items():
                     samples[k] += time_samples(fn, repeats=repeats, min_time=0.005)
             t = {k: float(min(v)) for k, v in samples.items()}
             algorithmic = t["serial"] * (work[0] + work[1] + N) / (3 * N)
+            # per phase: an evaluation costs what a step of the bare chain costs (forward and
+            # adjoint apart), the rest of the serial step (linearisation caches, gradients,
+            # loss, opening and closing) once
+            solve_s = {k: float(min(v)) for k, v in solves.items()}
+            t_fwd, t_adj = t["forward chain"] / N, t["adjoint chain"] / N
+            rest = max(t["serial"] - N * (t_fwd + t_adj), 0.0)
+            phases = work[0] * t_fwd + work[1] * t_adj + rest
             engines = sorted({type(lp._solver(k, o).engine).__name__
                               for k, o in zip(("forward", "adjoint"), opts)})
             out.append({"name": f"training step {label} N={N} B={xshape[0]} float32 cf={cf} "
@@ -639,8 +661,40 @@ def bench_training_steps(quick=False, cf=4, levels=3, cycles=(2, 2), repeats=5, 
                         "serial_s": t["serial"], "mgrit_s": t["mgrit"],
                         "work_fwd": float(work[0]), "work_adj": float(work[1]), "layers": N,
                         "algorithmic_s": algorithmic, "ratio": t["mgrit"] / algorithmic,
+                        "step_fwd_s": t_fwd, "step_adj_s": t_adj, "rest_s": rest,
+                        "phases_s": phases, "phase_ratio": t["mgrit"] / phases,
+                        "fwd_solve_ratio": solve_s["forward"] / (work[0] * t_fwd),
+                        "adj_solve_ratio": solve_s["adjoint"] / (work[1] * t_adj),
                         "engines": engines, "target": "ratio <= 1.1 (dense), 1.15 (others)"})
     return out
+
+
+def _bare_chain(solver):
+    """A function that steps ``solver``'s propagator over all N layers of its level-0 store
+    from slot 1 (one ``advance`` of one chain: the F-relaxation's call, no caches kept), after
+    a solve has filled the store (and, adjoint, the propagator's linearisation)."""
+    origin, stride = solver.engine._origin(0)
+    chain = np.array([[2, solver.n_steps]], dtype=np.int64)
+
+    def run():
+        with solver._solve_context():  # the BLAS setting the solves run under
+            solver.prop.advance(solver._states, None, chain, origin, stride, 0)
+    return run
+
+
+def _timed_solves(solver):
+    """Wrap ``solver.solve`` (an instance attribute) so that each call's seconds are appended
+    to the returned list."""
+    seconds, solve = [], solver.solve
+
+    def timed(*args, **kw):
+        t0 = time.perf_counter()
+        try:
+            return solve(*args, **kw)
+        finally:
+            seconds.append(time.perf_counter() - t0)
+    solver.solve = timed
+    return seconds
 
 
 def format_training_steps(rows):
@@ -653,6 +707,11 @@ def format_training_steps(rows):
                      f"{r['work_adj']:.0f} + {r['layers']} over {3 * r['layers']} -> "
                      f"{1e3 * r['algorithmic_s']:.2f} ms; ratio {r['ratio']:.3f} "
                      f"({', '.join(r['engines'])})  [target {r['target']}]")
+        lines.append(f"      per phase: a forward evaluation {1e6 * r['step_fwd_s']:.1f} us, an "
+                     f"adjoint one {1e6 * r['step_adj_s']:.1f} us (bare chains), the rest "
+                     f"{1e3 * r['rest_s']:.2f} ms once -> {1e3 * r['phases_s']:.2f} ms; ratio "
+                     f"{r['phase_ratio']:.3f} (forward solves {r['fwd_solve_ratio']:.3f}, "
+                     f"adjoint solves {r['adj_solve_ratio']:.3f} of their evaluations)")
     return "\n".join(lines)
 
 
