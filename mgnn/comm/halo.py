@@ -88,6 +88,7 @@ class Halo(SerialHalo):
         self._types = {np.dtype(np.float32): MPI.FLOAT, np.dtype(np.float64): MPI.DOUBLE,
                        np.dtype(np.complex128): MPI.C_DOUBLE_COMPLEX}
         self._buffers = {}
+        self._scaled = {}  # (counts, displs, row) -> their element vectors (_elements)
 
     def _mpi_type(self, dtype):
         try:
@@ -117,10 +118,23 @@ class Halo(SerialHalo):
         mpi_type = self._mpi_type(send.dtype)
         # nonblocking and polled (wait_request): a blocking collective spins on its core, which
         # starves ranks that share cores and still have work before they reach it
-        wait_request(self.comm.Iallgatherv(
-            [send, mpi_type], [recv, (np.asarray(counts) * row, np.asarray(displs) * row),
-                               mpi_type]))
+        wait_request(self.comm.Iallgatherv([send, mpi_type],
+                                           [recv, self._elements(counts, displs, row),
+                                            mpi_type]))
         self.timers["halo_wait"] += time.perf_counter() - t0
+
+    def _elements(self, counts, displs, row):
+        """(counts, displs) in rows scaled to elements of ``row`` each, int64 arrays kept per
+        (counts, displs) object pair: the callers pass the same cached pair every cycle, and at
+        thousands of (virtual) ranks a fresh product per call costs more than the message."""
+        key = (id(counts), id(displs), row)
+        got = self._scaled.get(key)
+        if got is None or got[0] is not counts or got[1] is not displs:
+            if len(self._scaled) >= 64:
+                self._scaled.clear()
+            got = self._scaled[key] = (counts, displs, (np.asarray(counts, np.int64) * row,
+                                                        np.asarray(displs, np.int64) * row))
+        return got[2]
 
     def allgather_objects(self, items):
         t0 = time.perf_counter()

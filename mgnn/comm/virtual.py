@@ -710,9 +710,9 @@ def _spec(spec, what):
             c = rest[0]
             if isinstance(c, numbers.Integral):
                 count = int(c)
-            elif isinstance(c, (list, tuple)) and len(c) == 2:
-                vector = (np.array(c[0], dtype=np.int64).reshape(-1),
-                          np.array(c[1], dtype=np.int64).reshape(-1))
+            elif isinstance(c, (list, tuple)) and len(c) == 2:  # int64 arrays pass as they are
+                vector = (np.asarray(c[0], dtype=np.int64).reshape(-1),
+                          np.asarray(c[1], dtype=np.int64).reshape(-1))
             else:
                 raise TypeError(f"{what}: bad count in buffer spec: {c!r}")
     else:
@@ -837,8 +837,11 @@ class VirtualComm:
     is_virtual = True
 
     def __init__(self, world, ctx, group, rank, owner):
-        self._world, self._ctx, self._group, self._rank = world, ctx, tuple(group), rank
+        # a split shares one tuple among its members (a copy each: O(P^2) at P ranks)
+        group = group if isinstance(group, tuple) else tuple(group)
+        self._world, self._ctx, self._group, self._rank = world, ctx, group, rank
         self._owner, self._seq, self._freed = owner, 0, False
+        self._vectors = {}  # Allgatherv (counts, displs) -> their checks (_vector_facts)
 
     def __repr__(self):
         return f"<VirtualComm {self._describe()}, rank {self._rank} of {len(self._group)}>"
@@ -1008,21 +1011,11 @@ class VirtualComm:
             vector = (np.full(size, part, dtype=np.int64),
                       np.arange(size, dtype=np.int64) * part)
         counts, displs = vector
-        if len(counts) != size or len(displs) != size:
-            raise ValueError(f"{label}: {len(counts)} counts and {len(displs)} displacements "
-                             f"for {size} ranks")
-        bad = np.flatnonzero((counts < 0) | (displs < 0) | ((counts + displs) * unit > out.size))
-        if bad.size:
-            c, d = int(counts[bad[0]]), int(displs[bad[0]])
-            raise ValueError(f"{label}: count {c} at displacement {d} exceeds the receive "
-                             f"buffer ({out.size} bytes)")
+        packed, name, total = self._vector_facts(counts, displs, unit, out.size, label)
         me = self._rank
         if send.size != counts[me] * unit:
             raise ValueError(f"{label}: rank {me} sends {send.size} bytes, counts[{me}] = "
                              f"{counts[me]} elements of {unit} bytes")
-        # parts laid end to end from displacement 0 (the usual layout): one copy of the
-        # joined parts, made once for every rank
-        packed = bool(displs[0] == 0 and np.array_equal(displs[1:], np.cumsum(counts)[:-1]))
 
         def finish(parts):
             nbytes = sum(p.size for p in parts)
@@ -1035,15 +1028,43 @@ class VirtualComm:
             if got is None:
                 return
             parts, joined = got
-            if packed and joined is not None and joined.size == int(counts.sum()) * unit:
+            if packed and joined is not None and joined.size == total * unit:
                 out[:joined.size] = joined
                 return
             for p, d in zip(parts, displs.tolist()):
                 out[d * unit:d * unit + p.size] = p
-        return self._coll("allgather", (f"{label}({tuple(counts.tolist())})" if size <= 8 else
-                           f"{label}({size} counts, {int(counts.sum())} elements, crc32 "
-                           f"{zlib.crc32(counts.tobytes()):08x})"),
-                          _contents(self._world, send), finish, deliver=deliver)
+        return self._coll("allgather", name, _contents(self._world, send), finish,
+                          deliver=deliver)
+
+    def _vector_facts(self, counts, displs, unit, nbytes, label):
+        """(packed, the collective's name, sum of counts) of an Allgatherv's ``counts`` and
+        ``displs`` (int64 arrays) into ``nbytes`` of ``unit``-byte elements, checked
+        (ValueError); kept per array pair (callers pass the same arrays every cycle: at
+        thousands of virtual ranks these O(P) checks per call cost more than the message).
+        ``packed``: parts laid end to end from displacement 0 (the usual layout), so one copy
+        of the joined parts serves every rank."""
+        key = (id(counts), id(displs), unit, nbytes, label)
+        got = self._vectors.get(key)
+        if got is not None and got[0] is counts and got[1] is displs:
+            return got[2]
+        size = self.Get_size()
+        if len(counts) != size or len(displs) != size:
+            raise ValueError(f"{label}: {len(counts)} counts and {len(displs)} displacements "
+                             f"for {size} ranks")
+        bad = np.flatnonzero((counts < 0) | (displs < 0) | ((counts + displs) * unit > nbytes))
+        if bad.size:
+            c, d = int(counts[bad[0]]), int(displs[bad[0]])
+            raise ValueError(f"{label}: count {c} at displacement {d} exceeds the receive "
+                             f"buffer ({nbytes} bytes)")
+        packed = bool(displs[0] == 0 and np.array_equal(displs[1:], np.cumsum(counts)[:-1]))
+        total = int(counts.sum())
+        name = (f"{label}({tuple(counts.tolist())})" if size <= 8 else
+                f"{label}({size} counts, {total} elements, crc32 "
+                f"{zlib.crc32(counts.tobytes()):08x})")
+        if len(self._vectors) >= 64:
+            self._vectors.clear()
+        self._vectors[key] = (counts, displs, (packed, name, total))
+        return packed, name, total
 
     def Bcast(self, buf, root=0):
         """Copy ``buf`` of rank ``root`` into ``buf`` of every rank."""
@@ -1127,10 +1148,15 @@ class VirtualComm:
 
         def finish(ps):
             out = [null] * len(ps)
-            for c in sorted({c for c, _ in ps if c != undefined}):
-                members = sorted((k, i) for i, (c_, k) in enumerate(ps) if c_ == c)
-                group = [parent._group[i] for _, i in members]
-                what = label if len(set(c_ for c_, _ in ps)) == 1 else f"{label} color {c}"
+            by_color = {}  # one pass: a scan per color is O(P^2) when each rank has its own
+            for i, (c, k) in enumerate(ps):
+                if c != undefined:
+                    by_color.setdefault(c, []).append((k, i))
+            one_color = len(set(c_ for c_, _ in ps)) == 1
+            for c in sorted(by_color):
+                members = sorted(by_color[c])
+                group = tuple(parent._group[i] for _, i in members)
+                what = label if one_color else f"{label} color {c}"
                 ctx = world.new_context(f"{what} of comm {parent._ctx}")
                 for new_rank, (_, i) in enumerate(members):
                     out[i] = VirtualComm(world, ctx, group, new_rank, world.ranks[group[new_rank]])

@@ -334,16 +334,17 @@ class Partition:
             raise ValueError(f"Partition n_steps must be an int >= 1, got {n!r}")
         object.__setattr__(self, "n_steps", int(n))
         st, rk = tuple(self.starts), tuple(self.ranks)
-        if len(st) != len(rk) or not st:
-            raise ValueError(f"Partition needs one rank per block: starts {st}, ranks {rk}")
-        if st[0] != 0 or not all(map(operator.lt, st, st[1:])) or st[-1] > self.n_steps:
-            raise ValueError(f"Partition starts {st} must begin at 0, increase strictly and stay "
-                             f"<= n_steps={self.n_steps}")
-        if len(set(rk)) != len(rk):
-            raise ValueError(f"Partition ranks {rk} hold more than one block each")
-        object.__setattr__(self, "starts", _interned(tuple(int(v) for v in st)))
-        object.__setattr__(self, "ranks", _interned(tuple(int(v) for v in rk)))
-        object.__setattr__(self, "_block", _block_index(self.ranks))  # rank -> block
+        key = (int(n), st, rk)
+        done = _VALIDATED.get(key)  # every virtual rank builds the same P-block partitions
+        if done is None:
+            done = _validated_blocks(*key)
+            if len(_VALIDATED) >= 256:
+                _VALIDATED.clear()
+            _VALIDATED[key] = done
+        starts, ranks = done
+        object.__setattr__(self, "starts", starts)
+        object.__setattr__(self, "ranks", ranks)
+        object.__setattr__(self, "_block", _block_index(ranks))  # rank -> block
 
     @classmethod
     def serial(cls, n_steps):
@@ -424,6 +425,23 @@ def _level_counts(partition, spacing, n_level):
 
 
 _INTERNED = {}  # tuple -> the one equal tuple kept (virtual ranks build equal partitions)
+
+
+def _validated_blocks(n, st, rk):
+    """(starts, ranks) of a :class:`Partition` of ``n`` steps as shared int tuples, checked
+    (ValueError naming the values)."""
+    if len(st) != len(rk) or not st:
+        raise ValueError(f"Partition needs one rank per block: starts {st}, ranks {rk}")
+    if st[0] != 0 or not all(map(operator.lt, st, st[1:])) or st[-1] > n:
+        raise ValueError(f"Partition starts {st} must begin at 0, increase strictly and stay "
+                         f"<= n_steps={n}")
+    if len(set(rk)) != len(rk):
+        raise ValueError(f"Partition ranks {rk} hold more than one block each")
+    return _interned(tuple(int(v) for v in st)), _interned(tuple(int(v) for v in rk))
+
+
+#: (n_steps, starts, ranks) as given -> their checked tuples (at most 256 kept)
+_VALIDATED = {}
 
 
 def _interned(t):

@@ -494,7 +494,9 @@ def _no_huge_pages():
 
 
 def _child_main(send, fn, args, kwargs):
-    """Body of :func:`_in_child`'s process: ``fn``'s result or error into the pipe."""
+    """Body of :func:`_in_child`'s process: ``fn``'s result or error into the pipe, large
+    blocks mapped fresh (:func:`_fixed_mmap_threshold`: the whole process, which ends here)."""
+    _fixed_mmap_threshold()
     try:
         out = ("ok", fn(*args, **kwargs))
     except BaseException as exc:  # noqa: B036 -- re-raised in the parent
@@ -504,6 +506,18 @@ def _child_main(send, fn, args, kwargs):
     except Exception as exc:  # noqa: BLE001 -- an unpicklable error: its text
         send.send(("error", RuntimeError(f"{type(out[1]).__name__}: {out[1]} ({exc})")))
     send.close()
+
+
+def _fixed_mmap_threshold(nbytes=128 * 1024):
+    """glibc's mmap threshold fixed at ``nbytes`` for this process (nothing elsewhere).
+
+    glibc raises the threshold after each large free (up to 32 MiB). Virtual ranks' stores then
+    come from the heap, and np.zeros zero-fills each byte by byte: ~100 us a store, 4 s of a
+    P = 1024 run. Mapped fresh, they are zero pages, committed only where a rank writes.
+    The setting is process-wide and cannot be undone, hence its use in child processes only."""
+    libc = _libc()
+    if libc is not None:
+        libc.mallopt(-3, int(nbytes))  # M_MMAP_THRESHOLD
 
 
 def _in_child(fn, *args, **kwargs):
