@@ -88,7 +88,6 @@ class Halo(SerialHalo):
         self._types = {np.dtype(np.float32): MPI.FLOAT, np.dtype(np.float64): MPI.DOUBLE,
                        np.dtype(np.complex128): MPI.C_DOUBLE_COMPLEX}
         self._buffers = {}
-        self._scaled = {}  # (counts, displs, row) -> their element vectors (_elements)
 
     def _mpi_type(self, dtype):
         try:
@@ -123,17 +122,19 @@ class Halo(SerialHalo):
                                             mpi_type]))
         self.timers["halo_wait"] += time.perf_counter() - t0
 
-    def _elements(self, counts, displs, row):
-        """(counts, displs) in rows scaled to elements of ``row`` each, int64 arrays kept per
-        (counts, displs) object pair: the callers pass the same cached pair every cycle, and at
-        thousands of (virtual) ranks a fresh product per call costs more than the message."""
+    @staticmethod
+    def _elements(counts, displs, row):
+        """(counts, displs) in rows scaled to elements of ``row`` each: int64 arrays kept per
+        (counts, displs) object pair, for every Halo of the process. The callers pass the
+        partition's cached pair every cycle (virtual ranks: one pair for all of them), and at
+        thousands of ranks a fresh product per call costs more than the message."""
         key = (id(counts), id(displs), row)
-        got = self._scaled.get(key)
+        got = _SCALED.get(key)
         if got is None or got[0] is not counts or got[1] is not displs:
-            if len(self._scaled) >= 64:
-                self._scaled.clear()
-            got = self._scaled[key] = (counts, displs, (np.asarray(counts, np.int64) * row,
-                                                        np.asarray(displs, np.int64) * row))
+            if len(_SCALED) >= 64:
+                _SCALED.clear()
+            got = _SCALED[key] = (counts, displs, (np.asarray(counts, np.int64) * row,
+                                                   np.asarray(displs, np.int64) * row))
         return got[2]
 
     def allgather_objects(self, items):
@@ -159,6 +160,10 @@ class Halo(SerialHalo):
             self.timers["halo_total"] += t1 - pending[2]
         return pending[1]
 
+
+
+#: (id(counts), id(displs), row) -> (counts, displs, their element vectors): Halo._elements
+_SCALED = {}
 
 
 def make_halo(comm, reduce_comm=None):

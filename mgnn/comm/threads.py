@@ -24,6 +24,7 @@ BLIS, ``NUMBA_NUM_THREADS`` or else ``OMP_NUM_THREADS`` for Numba) leaves that l
 user set it, an int ``threads`` sets every library to that count, and ``threads=None`` changes
 nothing.
 """
+import functools
 import numbers
 import os
 import sys
@@ -70,9 +71,15 @@ def node_share(comm):
         masks = local.allgather(mine)
     finally:
         local.Free()
+    return len(masks), _overlapping(tuple(masks), mine) or 1, len(mine)
+
+
+@functools.lru_cache(maxsize=64)
+def _overlapping(masks, mine):
+    """How many of ``masks`` (CPU sets) share a CPU with ``mine``; kept per arguments (the
+    virtual ranks of one node pass the same masks: a count each would be O(P^2))."""
     from collections import Counter
-    overlapping = sum(n for m, n in Counter(masks).items() if m & mine)
-    return len(masks), overlapping or 1, len(mine)
+    return sum(n for m, n in Counter(masks).items() if m & mine)
 
 
 def _env_int(environ, names):

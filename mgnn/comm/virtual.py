@@ -263,7 +263,7 @@ _WARNING_STATE = ("filters", "showwarning", "_showwarnmsg_impl")
 
 
 def _warning_state():
-    return tuple(getattr(warnings, name) for name in _WARNING_STATE)
+    return warnings.filters, warnings.showwarning, warnings._showwarnmsg_impl
 
 
 def _set_warning_state(state):
@@ -276,9 +276,12 @@ def _swap_warnings(rank):
     """Exchange the process's warning filters and handlers with ``rank``'s (each virtual rank
     has its own, as each MPI process does: ``warnings.catch_warnings`` on one rank must not
     catch another's warnings)."""
-    mine = rank.warnings
-    rank.warnings = _warning_state()
-    _set_warning_state(mine)
+    mine, current = rank.warnings, _warning_state()
+    rank.warnings = current
+    # most ranks hold the state they found (the caller's): then there is nothing to set (an
+    # in-place change of the filters list has already told the warnings module itself)
+    if any(a is not b for a, b in zip(mine, current)):
+        _set_warning_state(mine)
 
 
 class _Rank:
@@ -696,6 +699,13 @@ def _as_array(obj, what):
         raise TypeError(f"{what}: expected an array or buffer, got {type(obj).__name__}") from None
 
 
+def _int64_vector(v):
+    """``v`` as a 1-d int64 array: ``v`` itself if it is one (so that checks kept per array,
+    :meth:`VirtualComm._vector_facts`, find it again)."""
+    a = np.asarray(v, dtype=np.int64)
+    return a if a.ndim == 1 else a.reshape(-1)
+
+
 def _spec(spec, what):
     """(array, datatype, count, vector) of an mpi4py buffer spec: ``array``, ``[array,
     datatype]``, ``[array, count, datatype]``, ``[array, (counts, displs), datatype]``."""
@@ -710,9 +720,8 @@ def _spec(spec, what):
             c = rest[0]
             if isinstance(c, numbers.Integral):
                 count = int(c)
-            elif isinstance(c, (list, tuple)) and len(c) == 2:  # int64 arrays pass as they are
-                vector = (np.asarray(c[0], dtype=np.int64).reshape(-1),
-                          np.asarray(c[1], dtype=np.int64).reshape(-1))
+            elif isinstance(c, (list, tuple)) and len(c) == 2:  # 1-d int64 arrays as they are
+                vector = (_int64_vector(c[0]), _int64_vector(c[1]))
             else:
                 raise TypeError(f"{what}: bad count in buffer spec: {c!r}")
     else:
@@ -828,6 +837,41 @@ def _immutable(obj, depth=0):
     return False
 
 
+def _vector_facts(counts, displs, unit, nbytes, label, size, keep=True):
+    """(packed, the collective's name, sum of counts) of an Allgatherv on ``size`` ranks of
+    ``counts`` and ``displs`` (int64 arrays) into ``nbytes`` of ``unit``-byte elements, checked
+    (ValueError); with ``keep``, kept per array pair for every virtual rank (callers pass the
+    partition's arrays every cycle: at thousands of ranks these O(P) checks per call cost more
+    than the message). ``packed``: parts laid end to end from displacement 0 (the usual
+    layout), so one copy of the joined parts serves every rank."""
+    key = (id(counts), id(displs), unit, nbytes, label, size)
+    got = _VECTORS.get(key)
+    if got is not None and got[0] is counts and got[1] is displs:
+        return got[2]
+    if len(counts) != size or len(displs) != size:
+        raise ValueError(f"{label}: {len(counts)} counts and {len(displs)} displacements "
+                         f"for {size} ranks")
+    bad = np.flatnonzero((counts < 0) | (displs < 0) | ((counts + displs) * unit > nbytes))
+    if bad.size:
+        c, d = int(counts[bad[0]]), int(displs[bad[0]])
+        raise ValueError(f"{label}: count {c} at displacement {d} exceeds the receive "
+                         f"buffer ({nbytes} bytes)")
+    packed = bool(displs[0] == 0 and np.array_equal(displs[1:], np.cumsum(counts)[:-1]))
+    total = int(counts.sum())
+    name = (f"{label}({tuple(counts.tolist())})" if size <= 8 else
+            f"{label}({size} counts, {total} elements, crc32 "
+            f"{zlib.crc32(counts.tobytes()):08x})")
+    if keep:
+        if len(_VECTORS) >= 64:
+            _VECTORS.clear()
+        _VECTORS[key] = (counts, displs, (packed, name, total))
+    return packed, name, total
+
+
+#: Allgatherv vectors -> their checks (_vector_facts), for every virtual rank of the process
+_VECTORS = {}
+
+
 class VirtualComm:
     """One virtual rank's communicator: the mpi4py API subset listed in :mod:`the module
     <mgnn.comm.virtual>`. Made by :func:`run_virtual` (the world) and by ``Split``/``Dup``;
@@ -841,7 +885,6 @@ class VirtualComm:
         group = group if isinstance(group, tuple) else tuple(group)
         self._world, self._ctx, self._group, self._rank = world, ctx, group, rank
         self._owner, self._seq, self._freed = owner, 0, False
-        self._vectors = {}  # Allgatherv (counts, displs) -> their checks (_vector_facts)
 
     def __repr__(self):
         return f"<VirtualComm {self._describe()}, rank {self._rank} of {len(self._group)}>"
@@ -1010,8 +1053,11 @@ class VirtualComm:
             part = out.size // (size * unit) if count is None else count
             vector = (np.full(size, part, dtype=np.int64),
                       np.arange(size, dtype=np.int64) * part)
+            keep = False  # fresh vectors: not worth keeping
+        else:
+            keep = True
         counts, displs = vector
-        packed, name, total = self._vector_facts(counts, displs, unit, out.size, label)
+        packed, name, total = _vector_facts(counts, displs, unit, out.size, label, size, keep)
         me = self._rank
         if send.size != counts[me] * unit:
             raise ValueError(f"{label}: rank {me} sends {send.size} bytes, counts[{me}] = "
@@ -1035,36 +1081,6 @@ class VirtualComm:
                 out[d * unit:d * unit + p.size] = p
         return self._coll("allgather", name, _contents(self._world, send), finish,
                           deliver=deliver)
-
-    def _vector_facts(self, counts, displs, unit, nbytes, label):
-        """(packed, the collective's name, sum of counts) of an Allgatherv's ``counts`` and
-        ``displs`` (int64 arrays) into ``nbytes`` of ``unit``-byte elements, checked
-        (ValueError); kept per array pair (callers pass the same arrays every cycle: at
-        thousands of virtual ranks these O(P) checks per call cost more than the message).
-        ``packed``: parts laid end to end from displacement 0 (the usual layout), so one copy
-        of the joined parts serves every rank."""
-        key = (id(counts), id(displs), unit, nbytes, label)
-        got = self._vectors.get(key)
-        if got is not None and got[0] is counts and got[1] is displs:
-            return got[2]
-        size = self.Get_size()
-        if len(counts) != size or len(displs) != size:
-            raise ValueError(f"{label}: {len(counts)} counts and {len(displs)} displacements "
-                             f"for {size} ranks")
-        bad = np.flatnonzero((counts < 0) | (displs < 0) | ((counts + displs) * unit > nbytes))
-        if bad.size:
-            c, d = int(counts[bad[0]]), int(displs[bad[0]])
-            raise ValueError(f"{label}: count {c} at displacement {d} exceeds the receive "
-                             f"buffer ({nbytes} bytes)")
-        packed = bool(displs[0] == 0 and np.array_equal(displs[1:], np.cumsum(counts)[:-1]))
-        total = int(counts.sum())
-        name = (f"{label}({tuple(counts.tolist())})" if size <= 8 else
-                f"{label}({size} counts, {total} elements, crc32 "
-                f"{zlib.crc32(counts.tobytes()):08x})")
-        if len(self._vectors) >= 64:
-            self._vectors.clear()
-        self._vectors[key] = (counts, displs, (packed, name, total))
-        return packed, name, total
 
     def Bcast(self, buf, root=0):
         """Copy ``buf`` of rank ``root`` into ``buf`` of every rank."""
@@ -1272,7 +1288,7 @@ def run_virtual(size, fn, *args, network=None, timeout_s=None, trace=False, payl
     world.warnings = _warning_state()  # every rank starts with the caller's
     world.fn, world.args, world.kwargs = fn, args, kwargs
     ctx = world.new_context("world")
-    group = range(world.size)
+    group = tuple(range(world.size))  # one tuple shared by every rank's world comm
     for r in world.ranks:
         r.comm = VirtualComm(world, ctx, group, r.index, r)
     if timeout_s is not None:

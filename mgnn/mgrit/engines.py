@@ -18,6 +18,7 @@ sweep are independent of each other. ``points`` modes: 0 residual ``R[o] = Phi(u
 (+ g_i)`` returning the sum of squared norms, 1 FAS ``R[o] = (R[o] + u_i) - Phi(u_{i-1})``, 2 plain
 ``R[o] = Phi(u_{i-1}) (+ g_i)``.
 """
+import functools
 import operator
 import time
 from collections.abc import Sequence
@@ -405,6 +406,7 @@ class _Whole:
         return 0
 
 
+@functools.lru_cache(maxsize=64)
 def _one_class(cls, names):
     """Whether one class of ``cls``'s MRO defines all ``names`` (a subclass that overrides
     ``advance`` of a propagator that replays tapes would not be replayed as it steps)."""

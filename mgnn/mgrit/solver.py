@@ -276,7 +276,6 @@ class MGRITSolver:
             raise ValueError(f"coarsest='redundant' needs {type(propagator).__name__}."
                              "coarse_replica(level) (a propagator that steps every point of the "
                              "level on every rank)")
-        self._gather_counts = {}
         self._replica = None  # the coarse replica of the solve at hand (see _coarsest)
         self.redundant_solves = 0  # coarsest levels solved redundantly so far (diagnostics)
         if comm is not None and comm.Get_size() > 1:
@@ -473,10 +472,8 @@ class MGRITSolver:
             self._update(lev, U, G, lambda j: True, "coarsest")
             return
         L, eng = self.levels[lev], self.engine
-        counts = self._gather_counts.get(lev)
-        if counts is None:
-            counts = self._gather_counts[lev] = tuple(
-                np.array(v, dtype=np.int64) for v in self.partition.level_counts(L.s, L.n))
+        # the partition's tuples (shared by equal partitions: virtual ranks build equal ones)
+        counts = self.partition.level_counts(L.s, L.n)
         plan = self._plan(lev, "redundant", None)
 
         def solve_redundantly(stores):  # a replayed cycle runs it again: this solve's replica
