@@ -197,6 +197,10 @@ def _bench_parser(sub):
                    help="predict: cores the ranks share (P > cores stretches compute by "
                         "1 + (P / cores - 1) u, u the compute share without sharing: an "
                         "oversubscribed single machine); default: a core each")
+    g.add_argument("--oversubscribed-hop", type=float, default=None, metavar="US",
+                   help="predict with --cores: microseconds each message waits for a core when "
+                        "P > cores (default: the cost table's, 0 unless set; a fitted "
+                        "parameter, docs/virtual_ranks.md)")
     g.add_argument("--coarsest", choices=["redundant", "sequential"], default="redundant",
                    help="predict: MGRIT's coarsest level (default redundant)")
     g.add_argument("--weak", action="store_true",

@@ -41,6 +41,9 @@ def main(argv=None):
     ap.add_argument("--calibration-layers", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--costs", default=None, help="a cost table to use instead of calibrating")
+    ap.add_argument("--oversubscribed-hop", type=float, default=None, metavar="US",
+                    help="microseconds each message waits for a core when P > cores (the "
+                         "predictor's fitted parameter; default: the table's, 0 unless set)")
     ap.add_argument("--out", default="results/validate_grid")
     ap.add_argument("--budget", type=float, default=None,
                     help="seconds: start no point after them (default: every point)")
@@ -56,6 +59,8 @@ def main(argv=None):
         print(f"calibrating at {args.calibration_layers} layers (and the hierarchy's least)")
         table = calibrate(cfg, repeats=5, layers=args.calibration_layers)
         table.save(os.path.join(args.out, "costs.json"))
+    if args.oversubscribed_hop is not None:
+        table.meta["oversubscribed_hop_s"] = args.oversubscribed_hop * 1e-6
     points = validation_points(args.ranks, args.per_rank, args.levels, args.cf)
     for P, n, L, why in points:
         if why:
@@ -84,7 +89,9 @@ def _write(args, rows, points, left, t0, failed, quiet=False):
     worst_free = max((abs(r["error"]) for r in rows if not r["oversubscribed"]), default=0.0)
     summary = (f"dense w={args.width}, B={args.batch}, cf {args.cf}, {args.fwd_iters}/"
                f"{args.bwd_iters} cycles, {_cores()} cores; largest error {100 * worst:.1f}% "
-               f"(not oversubscribed: {100 * worst_free:.1f}%)")
+               f"(not oversubscribed: {100 * worst_free:.1f}%)"
+               + ("" if args.oversubscribed_hop is None else
+                  f"; oversubscribed hop {args.oversubscribed_hop:g} us (fitted)"))
     if not quiet:
         print(text)
         print(summary)

@@ -302,3 +302,20 @@ def test_virtual_run_errors_come_back_from_a_child_intact():
     assert set(info.value.blocked) == {1}
     back = pickle.loads(pickle.dumps(VirtualAbort("m", 2, 7)))
     assert (str(back), back.rank, back.errorcode) == ("m", 2, 7)
+
+
+@GUARD
+def test_an_oversubscribed_hop_delays_messages_only_past_the_cores(tiny_table):
+    """meta['oversubscribed_hop_s'] adds to every message's latency where P > cores, and changes
+    nothing where every rank has a core (or no cores are given)."""
+    import copy
+    cfg, table = tiny_table
+    hopped = copy.deepcopy(table)
+    hopped.meta["oversubscribed_hop_s"] = 1e-3
+    for cores in (None, 4):  # a core each: the hop does not apply
+        assert predict_point(cfg, hopped, "mgrit", 4, cores=cores) == \
+            predict_point(cfg, table, "mgrit", 4, cores=cores)
+    plain = predict_point(cfg, table, "layerwise", 4, cores=2)["time"]
+    slow = predict_point(cfg, hopped, "layerwise", 4, cores=2)["time"]
+    # layer-wise: at least 6 boundary messages on the critical path, each 1 ms later
+    assert slow - plain >= 6e-3 * (1 - 1e-9)

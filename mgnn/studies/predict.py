@@ -14,7 +14,11 @@ every kernel call charges its calibrated time, every message ``alpha + bytes / b
 
 ``cores`` models running more ranks than cores on one machine (the validation runs here): with
 P > cores every compute charge is stretched by ``1 + (P / cores - 1) u``, ``u`` the ranks' mean
-compute fraction in the run without sharing (a mean-field picture: P u ranks compute at once).
+compute fraction in the run without sharing (a mean-field picture: P u ranks compute at once),
+and every message costs the table's ``meta["oversubscribed_hop_s"]`` more (0 unless set: ``bench
+predict --oversubscribed-hop US``): a rank whose message arrives while the cores run other ranks
+waits for one of them to yield. A ping-pong does not show it (two ranks that only message each
+other stay scheduled), so it is a fitted parameter, not a measured one.
 """
 import contextlib
 import gc
@@ -438,7 +442,11 @@ def predict_point(cfg, table, method, P, micro=1, cores=None, trace=False, model
         stretch = 1.0 + (P / cores - 1.0) * min(max(u, 0.0), 1.0)
     table = table if stretch == 1.0 else _Stretched(table, stretch)
     cm = cost_model(real, table, method)
-    net = Network(alpha=table.alpha, beta=table.beta)
+    # oversubscribed: a message also waits for its receiver to get a core back (a scheduler
+    # time slice, spread over the messages): the table's oversubscribed_hop_s, 0 by default
+    hop = float(table.meta.get("oversubscribed_hop_s", 0.0)) if cores is not None and \
+        P > cores else 0.0
+    net = Network(alpha=table.alpha + hop, beta=table.beta)
     with _lean_memory():
         out = run_virtual(P, _rank_step, method, cm, cfg, x, y, micro, network=net,
                           trace=trace, timeout_s=timeout_s, payloads=payloads)
@@ -896,6 +904,11 @@ def main(args, log=print):
         return [_calibrate_cmd(args, cfg, log).to_dict()]
     ranks = sorted(set(_ints("--ranks", args.ranks or DEFAULT_RANKS)))
     table, path = _load_table(args, cfg, log)
+    if getattr(args, "oversubscribed_hop", None) is not None:
+        if not args.oversubscribed_hop >= 0:
+            raise ValueError(f"--oversubscribed-hop {args.oversubscribed_hop}: microseconds "
+                             ">= 0 expected")
+        table.meta["oversubscribed_hop_s"] = args.oversubscribed_hop * 1e-6
     if args.network != "calibrated":
         n = NETWORKS[args.network]
         table = table.with_network(n["alpha"], n["beta"], args.network)
