@@ -20,7 +20,7 @@ import time
 
 from mgnn.comm import configure_threads
 from mgnn.studies.costs import CostTable
-from mgnn.studies.predict import (_cores, _write_text, calibrate, default_config,
+from mgnn.studies.predict import (_cores, _write_text, calibrate, check_hop, default_config,
                                   format_validation_grid, validate_grid, validation_points)
 
 
@@ -48,6 +48,11 @@ def main(argv=None):
     ap.add_argument("--budget", type=float, default=None,
                     help="seconds: start no point after them (default: every point)")
     args = ap.parse_args(argv)
+    if args.oversubscribed_hop is not None:
+        try:
+            check_hop(args.oversubscribed_hop)
+        except ValueError as exc:
+            ap.error(str(exc))
     configure_threads(None, 1)  # as the measured ranks (NUMBA_NUM_THREADS=1)
     cfg = default_config(n_layers=args.calibration_layers, width=args.width, batch=args.batch,
                          levels=max(args.levels), cf=args.cf, fwd_iters=args.fwd_iters,
@@ -61,6 +66,8 @@ def main(argv=None):
         table.save(os.path.join(args.out, "costs.json"))
     if args.oversubscribed_hop is not None:
         table.meta["oversubscribed_hop_s"] = args.oversubscribed_hop * 1e-6
+    hop = table.meta.get("oversubscribed_hop_s")
+    args.oversubscribed_hop = None if hop is None else hop * 1e6  # the summary names it
     points = validation_points(args.ranks, args.per_rank, args.levels, args.cf)
     for P, n, L, why in points:
         if why:

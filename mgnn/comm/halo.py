@@ -124,17 +124,22 @@ class Halo(SerialHalo):
 
     @staticmethod
     def _elements(counts, displs, row):
-        """(counts, displs) in rows scaled to elements of ``row`` each: int64 arrays kept per
-        (counts, displs) object pair, for every Halo of the process. The callers pass the
-        partition's cached pair every cycle (virtual ranks: one pair for all of them), and at
-        thousands of ranks a fresh product per call costs more than the message."""
+        """(counts, displs) in rows scaled to elements of ``row`` each: int64 arrays, read-only
+        and kept per (counts, displs) pair of tuples (immutable) for every Halo of the process.
+        The callers pass the partition's cached tuples every cycle (virtual ranks: one pair for
+        all of them), and at thousands of ranks a fresh product per call costs more than the
+        message."""
+        if not (isinstance(counts, tuple) and isinstance(displs, tuple)):  # may change later
+            return np.asarray(counts, np.int64) * row, np.asarray(displs, np.int64) * row
         key = (id(counts), id(displs), row)
         got = _SCALED.get(key)
         if got is None or got[0] is not counts or got[1] is not displs:
             if len(_SCALED) >= 64:
                 _SCALED.clear()
-            got = _SCALED[key] = (counts, displs, (np.asarray(counts, np.int64) * row,
-                                                   np.asarray(displs, np.int64) * row))
+            scaled = (np.asarray(counts, np.int64) * row, np.asarray(displs, np.int64) * row)
+            for a in scaled:
+                a.flags.writeable = False
+            got = _SCALED[key] = (counts, displs, scaled)
         return got[2]
 
     def allgather_objects(self, items):

@@ -276,12 +276,9 @@ def _swap_warnings(rank):
     """Exchange the process's warning filters and handlers with ``rank``'s (each virtual rank
     has its own, as each MPI process does: ``warnings.catch_warnings`` on one rank must not
     catch another's warnings)."""
-    mine, current = rank.warnings, _warning_state()
-    rank.warnings = current
-    # most ranks hold the state they found (the caller's): then there is nothing to set (an
-    # in-place change of the filters list has already told the warnings module itself)
-    if any(a is not b for a, b in zip(mine, current)):
-        _set_warning_state(mine)
+    mine = rank.warnings
+    rank.warnings = _warning_state()
+    _set_warning_state(mine)  # its registries reset too: a 'default' warning once per rank
 
 
 class _Rank:
@@ -840,14 +837,19 @@ def _immutable(obj, depth=0):
 def _vector_facts(counts, displs, unit, nbytes, label, size, keep=True):
     """(packed, the collective's name, sum of counts) of an Allgatherv on ``size`` ranks of
     ``counts`` and ``displs`` (int64 arrays) into ``nbytes`` of ``unit``-byte elements, checked
-    (ValueError); with ``keep``, kept per array pair for every virtual rank (callers pass the
-    partition's arrays every cycle: at thousands of ranks these O(P) checks per call cost more
-    than the message). ``packed``: parts laid end to end from displacement 0 (the usual
+    (ValueError); with ``keep``, kept per array pair and its contents for every virtual rank
+    (callers pass the same vectors every cycle: at thousands of ranks these O(P) checks per
+    call cost more than the message). ``packed``: parts laid end to end from displacement 0 (the usual
     layout), so one copy of the joined parts serves every rank."""
+    # kept per array pair, and used only while their contents are the ones checked (a caller
+    # may change its arrays in place between calls): two C-level copies and compares a call,
+    # no hashing of O(P) bytes
     key = (id(counts), id(displs), unit, nbytes, label, size)
+    cb, db = counts.tobytes(), displs.tobytes()
     got = _VECTORS.get(key)
-    if got is not None and got[0] is counts and got[1] is displs:
-        return got[2]
+    if got is not None and got[0] is counts and got[1] is displs and got[2] == cb \
+            and got[3] == db:
+        return got[4]
     if len(counts) != size or len(displs) != size:
         raise ValueError(f"{label}: {len(counts)} counts and {len(displs)} displacements "
                          f"for {size} ranks")
@@ -864,7 +866,7 @@ def _vector_facts(counts, displs, unit, nbytes, label, size, keep=True):
     if keep:
         if len(_VECTORS) >= 64:
             _VECTORS.clear()
-        _VECTORS[key] = (counts, displs, (packed, name, total))
+        _VECTORS[key] = (counts, displs, cb, db, (packed, name, total))
     return packed, name, total
 
 

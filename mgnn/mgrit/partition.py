@@ -335,12 +335,16 @@ class Partition:
         object.__setattr__(self, "n_steps", int(n))
         st, rk = tuple(self.starts), tuple(self.ranks)
         key = (int(n), st, rk)
-        done = _VALIDATED.get(key)  # every virtual rank builds the same P-block partitions
+        try:
+            done = _VALIDATED.get(key)  # every virtual rank builds the same P-block partitions
+        except TypeError:  # unhashable entries: checked (and refused) below, not kept
+            done, key = None, None
         if done is None:
-            done = _validated_blocks(*key)
-            if len(_VALIDATED) >= 256:
-                _VALIDATED.clear()
-            _VALIDATED[key] = done
+            done = _validated_blocks(int(n), st, rk)
+            if key is not None:
+                if len(_VALIDATED) >= 256:
+                    _VALIDATED.clear()
+                _VALIDATED[key] = done
         starts, ranks = done
         object.__setattr__(self, "starts", starts)
         object.__setattr__(self, "ranks", ranks)

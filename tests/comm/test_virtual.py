@@ -488,3 +488,43 @@ def test_many_ranks_equal_the_serial_solve():
     assert sorted(owned) == list(range(n + 1))
     for i, s in owned.items():
         np.testing.assert_allclose(s, serial.states[i], rtol=1e-12, atol=1e-14)
+
+
+@GUARD
+def test_allgatherv_vectors_changed_in_place_are_read_again():
+    """The checks of an Allgatherv's (counts, displs) are kept by their contents: vectors a
+    caller changes in place between calls place the parts anew and are checked anew."""
+    def program(comm):
+        counts, displs = np.array([2, 2]), np.array([0, 2])
+        send = np.full(2, float(comm.Get_rank() + 1))
+        out = []
+        for d in ([0, 2], [2, 0]):
+            displs[:] = d
+            recv = np.zeros(4)
+            comm.Allgatherv([send, MPI.DOUBLE], [recv, (counts, displs), MPI.DOUBLE])
+            out.append(recv.tolist())
+        displs[:] = [0, 9]
+        try:
+            comm.Allgatherv([send, MPI.DOUBLE], [np.zeros(4), (counts, displs), MPI.DOUBLE])
+        except ValueError as exc:
+            out.append(str(exc))
+        return out
+    res = run_virtual(2, program)
+    for got in res:
+        assert got[0] == [1.0, 1.0, 2.0, 2.0] and got[1] == [2.0, 2.0, 1.0, 1.0]
+        assert "displacement 9 exceeds the receive buffer" in got[2]
+
+
+
+def test_halo_element_vectors_kept_only_for_tuples():
+    """Halo._elements keeps the scaled vectors of tuples (immutable; read-only arrays) and
+    scales arrays a caller may change in place afresh at every call."""
+    from mgnn.comm.halo import Halo
+    counts, displs = (1, 2), (0, 1)
+    a = Halo._elements(counts, displs, 3)
+    assert Halo._elements(counts, displs, 3) is a and not a[0].flags.writeable
+    assert a[0].tolist() == [3, 6] and a[1].tolist() == [0, 3]
+    c, d = np.array([1, 2]), np.array([0, 1])
+    assert Halo._elements(c, d, 3)[0].tolist() == [3, 6]
+    c[:] = [2, 2]
+    assert Halo._elements(c, d, 3)[0].tolist() == [6, 6]

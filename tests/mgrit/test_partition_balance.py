@@ -276,3 +276,13 @@ def test_replica_counts_are_every_ranks_replica_rows():
                 for r in range(P):
                     r0, r1 = replica_rows(*part.fine_range(r), N, S, n_rows, adjoint)
                     assert (displs[r], counts[r]) == (r0, r1 - r0) or counts[r] == r1 - r0 == 0
+
+
+def test_partition_entries_that_cannot_be_checked_get_the_plain_error():
+    """Unhashable starts (kept checks are keyed by the values) still get the ValueError that
+    names them, and equal partitions share their checked tuples."""
+    from mgnn.mgrit.partition import Partition
+    with pytest.raises(ValueError, match="must begin at 0"):
+        Partition(4, [[0], [2]], [0, 1])
+    a, b = Partition(8, [0, 4], [0, 1]), Partition(8, (0, 4), (0, 1))
+    assert a == b and a.starts is b.starts and a.ranks is b.ranks
