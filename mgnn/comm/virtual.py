@@ -263,7 +263,7 @@ _WARNING_STATE = ("filters", "showwarning", "_showwarnmsg_impl")
 
 
 def _warning_state():
-    return warnings.filters, warnings.showwarning, warnings._showwarnmsg_impl
+    return tuple(getattr(warnings, name) for name in _WARNING_STATE)
 
 
 def _set_warning_state(state):
@@ -698,7 +698,7 @@ def _as_array(obj, what):
 
 def _int64_vector(v):
     """``v`` as a 1-d int64 array: ``v`` itself if it is one (so that checks kept per array,
-    :meth:`VirtualComm._vector_facts`, find it again)."""
+    :func:`_vector_facts`, find it again)."""
     a = np.asarray(v, dtype=np.int64)
     return a if a.ndim == 1 else a.reshape(-1)
 
@@ -839,8 +839,8 @@ def _vector_facts(counts, displs, unit, nbytes, label, size, keep=True):
     ``counts`` and ``displs`` (int64 arrays) into ``nbytes`` of ``unit``-byte elements, checked
     (ValueError); with ``keep``, kept per array pair and its contents for every virtual rank
     (callers pass the same vectors every cycle: at thousands of ranks these O(P) checks per
-    call cost more than the message). ``packed``: parts laid end to end from displacement 0 (the usual
-    layout), so one copy of the joined parts serves every rank."""
+    call cost more than the message). ``packed``: parts laid end to end from displacement 0
+    (the usual layout), so one copy of the joined parts serves every rank."""
     # kept per array pair, and used only while their contents are the ones checked (a caller
     # may change its arrays in place between calls): two C-level copies and compares a call,
     # no hashing of O(P) bytes
@@ -862,7 +862,7 @@ def _vector_facts(counts, displs, unit, nbytes, label, size, keep=True):
     total = int(counts.sum())
     name = (f"{label}({tuple(counts.tolist())})" if size <= 8 else
             f"{label}({size} counts, {total} elements, crc32 "
-            f"{zlib.crc32(counts.tobytes()):08x})")
+            f"{zlib.crc32(cb):08x})")
     if keep:
         if len(_VECTORS) >= 64:
             _VECTORS.clear()

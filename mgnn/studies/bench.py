@@ -503,12 +503,7 @@ def _bench_mgrit(n_layers, width, batch, cf, levels, nrelax, cycles, backend, dt
                             reuse_states=True)
         # its level-0 store: slot 1 holds u0, the bare chain refills slots 2 .. N + 1
         final = np.array(exact.solve(u0).final)
-        origin, stride = exact.engine._origin(0)
-        chain = np.array([[2, n_layers]], dtype=np.int64)
-
-        def bare_chain():
-            with exact._solve_context():  # the BLAS setting the solves run under
-                exact.prop.advance(exact._states, None, chain, origin, stride, 0)
+        bare_chain = _bare_chain(exact)
         exact._states[2:] = 0
         bare_chain()
         if not np.array_equal(exact._states[n_layers + 1], final):
