@@ -195,7 +195,7 @@ def _bench_parser(sub):
                    help="predict: message costs (default: the table's measured alpha/beta)")
     g.add_argument("--cores", type=int, default=None,
                    help="predict: cores the ranks share (P > cores stretches compute by "
-                        "1 + (P / cores - 1) u, u the compute share without sharing: an "
+                        "1 + (ceil(P / cores) - 1) u, u the compute share without sharing: an "
                         "oversubscribed single machine); default: a core each")
     g.add_argument("--oversubscribed-hop", type=float, default=None, metavar="US",
                    help="predict with --cores: microseconds each message waits for a core when "

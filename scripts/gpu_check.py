@@ -1073,7 +1073,8 @@ def section_cli(rep, st, args):
 # ---------------------------------------------------------------------------------------------
 
 #: ``scripts/validate_predictor.py``'s grid on the GPU machine (its 16 cores: one per rank)
-CPU_GRID = ("--per-rank", "2,8", "--levels", "3,5", "--repeats", "5")
+#: (one mpiexec run a point: a core per rank there, and the budget is short)
+CPU_GRID = ("--per-rank", "2,8", "--levels", "3,5", "--repeats", "5", "--launches", "1")
 
 
 def section_cpu(rep, st, args, grid=CPU_GRID):

@@ -1,7 +1,8 @@
 """Validate ``bench predict`` where large P lives: a few layers per rank, several levels.
 
 For every runnable (P, layers per rank, levels) of the grid, a real ``mpiexec -n P`` MGRIT
-training step (median of ``--repeats``, one thread per rank) against the prediction of the same
+training step (median of ``--repeats``, one thread per rank; the fastest of ``--launches``
+separate runs) against the prediction of the same
 setting on virtual ranks, with the critical-path bound (zero orchestration cost) beside both.
 One cost table serves every point: calibrated once at ``--calibration-layers`` (two depths,
 see :func:`mgnn.studies.predict.calibrate`), as a user calibrates before predicting P = 4096.
@@ -40,6 +41,9 @@ def main(argv=None):
     ap.add_argument("--bwd-iters", type=int, default=1)
     ap.add_argument("--calibration-layers", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--launches", type=int, default=3,
+                    help="mpiexec runs per point, the fastest run's median counts (default 3: "
+                         "on 2 cores about one run of 4 ranks in 3 is 2-6x slow throughout)")
     ap.add_argument("--costs", default=None, help="a cost table to use instead of calibrating")
     ap.add_argument("--oversubscribed-hop", type=float, default=None, metavar="US",
                     help="microseconds each message waits for a core when P > cores (the "
@@ -48,6 +52,8 @@ def main(argv=None):
     ap.add_argument("--budget", type=float, default=None,
                     help="seconds: start no point after them (default: every point)")
     args = ap.parse_args(argv)
+    if args.launches < 1:
+        ap.error(f"--launches {args.launches}: a positive integer expected")
     if args.oversubscribed_hop is not None:
         try:
             check_hop(args.oversubscribed_hop)
@@ -79,7 +85,8 @@ def main(argv=None):
             break
         point = left.pop(0)
         try:
-            rows += validate_grid(cfg, table, [point], repeats=args.repeats)
+            rows += validate_grid(cfg, table, [point], repeats=args.repeats,
+                                  launches=args.launches)
         except Exception as exc:  # noqa: BLE001 -- one failed point: recorded, the rest runs
             print(f"  P={point[0]} {point[1]} layers/rank {point[2]} levels failed: "
                   f"{type(exc).__name__}: {exc}")
@@ -94,9 +101,12 @@ def _write(args, rows, points, left, t0, failed, quiet=False):
     text = format_validation_grid(rows)
     worst = max((abs(r["error"]) for r in rows), default=0.0)
     worst_free = max((abs(r["error"]) for r in rows if not r["oversubscribed"]), default=0.0)
+    runs = [(t, r["measured_s"]) for r in rows for t in r.get("launches_s", ())]
+    slow = sum(t > 1.5 * best for t, best in runs)
     summary = (f"dense w={args.width}, B={args.batch}, cf {args.cf}, {args.fwd_iters}/"
                f"{args.bwd_iters} cycles, {_cores()} cores; largest error {100 * worst:.1f}% "
-               f"(not oversubscribed: {100 * worst_free:.1f}%)"
+               f"(not oversubscribed: {100 * worst_free:.1f}%); {args.launches} mpiexec "
+               f"run(s) a point, {slow} of {len(runs)} runs over 1.5x their point's fastest"
                + ("" if args.oversubscribed_hop is None else
                   f"; oversubscribed hop {args.oversubscribed_hop:g} us (fitted)"))
     if not quiet:

@@ -319,3 +319,15 @@ def test_an_oversubscribed_hop_delays_messages_only_past_the_cores(tiny_table):
     slow = predict_point(cfg, hopped, "layerwise", 4, cores=2)["time"]
     # layer-wise: at least 6 boundary messages on the critical path, each 1 ms later
     assert slow - plain >= 6e-3 * (1 - 1e-9)
+
+
+def test_core_stretch_follows_the_busiest_core():
+    """P ranks on fewer cores compute at the pace of the core holding ceil(P / cores) of them:
+    3 ranks on 2 cores stretch like 4, 5 like 6; a core each (or no cores given) stretches
+    nothing; u is clipped to [0, 1]."""
+    from mgnn.studies.predict import core_stretch
+    assert core_stretch(2, 2, 0.8) == core_stretch(1, None, 0.8) == 1.0
+    assert core_stretch(3, 2, 0.8) == core_stretch(4, 2, 0.8) == pytest.approx(1.8)
+    assert core_stretch(5, 2, 0.5) == core_stretch(6, 2, 0.5) == pytest.approx(2.0)
+    assert core_stretch(17, 16, 0.25) == pytest.approx(1.25)
+    assert core_stretch(4, 2, 1.7) == 2.0 and core_stretch(4, 2, -1.0) == 1.0
