@@ -330,3 +330,65 @@ def test_matrix_path_equals_the_slice_reference(fine, interp, restrict_name, dty
         np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
         assert other.dtype == dtype and other.flags.c_contiguous
         np.testing.assert_allclose(other, want, rtol=tol, atol=tol * np.abs(want).max())
+
+
+@pytest.mark.parametrize("shape", [(9, 8, 16, 16), (2, 3, 12, 10), (3, 2, 8, 6, 4),
+                                   (4, 2, 16, 5), (40, 1, 4, 2)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.complex64])
+def test_fixed_windows_equal_the_slice_reference(shape, dtype, rng):
+    """The CPU's fixed-window passes (even axes: windows over whole arrays, edge rows from the
+    sparse rows, blocks of lines and of planes; odd axes mixed in take the sparse rows or the
+    GEMM) equal the slice reference for every operator in both directions; several blocks of
+    planes ((9, 8, 16, 16): 72 planes, 32 a block) and tiny axes (2: one row, all edge or all
+    window). The two-axis pass equals two single-axis passes bit for bit."""
+    from mgnn.backend.grid_transfer import _apply, _axis_csr, _plan, _structure, _transfer_sparse
+    from mgnn.backend.numba_cpu import apply_structured_axis, apply_structured_planes
+    fine = shape[2:]
+    coarse = coarse_shape(fine)
+    u = rng.standard_normal(shape).astype(dtype)
+    v = rng.standard_normal(shape[:2] + coarse).astype(dtype)
+    if np.iscomplexobj(u):
+        u = u + 1j * rng.standard_normal(u.shape).astype(u.real.dtype)
+    tol = 1e-14 if dtype == np.float64 else 1e-6
+    for interp, rname in OPS:
+        for rs in (None, rname):
+            for to_fine, x, out in ((False, u, coarse), (True, v, fine)):
+                got = _transfer_sparse(x, fine, interp, rs, to_fine)
+                want = _apply(x, x.shape[:2] + out, _plan(fine, interp, rs, to_fine))
+                assert got.dtype == x.dtype and got.shape == want.shape
+                np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
+                forms = [_structure(n, interp, rs, to_fine, x.dtype) for n in fine]
+                if len(fine) == 2 and None not in forms:
+                    csrs = [_axis_csr(n, interp, rs, to_fine, x.dtype) for n in fine]
+                    m = out
+                    planes = x.reshape((-1,) + x.shape[2:])
+                    one = apply_structured_planes(planes, m[0], m[1], forms, csrs)
+                    order = (0, 1) if not to_fine else (1, 0)
+                    y = planes
+                    for k in order:
+                        pre = int(np.prod(y.shape[:1 + k]))
+                        y3 = y.reshape(pre, y.shape[1 + k], -1)
+                        z = apply_structured_axis(y3, m[k], forms[k], *csrs[k])
+                        y = z.reshape(y.shape[:1 + k] + (m[k],) + y.shape[2 + k:])
+                    np.testing.assert_array_equal(one, y)
+                    np.testing.assert_array_equal(got.reshape(one.shape), one)
+
+
+def test_fixed_windows_where_the_axes_have_them():
+    """Even axes get a window form in both directions (cell injection's transpose, with an
+    empty row per pair, does not), odd axes none; the interior of the default 16-point axis is
+    the rows 1..6 (out of 8) and the pairs 1..6 (out of 8)."""
+    from mgnn.backend.grid_transfer import _structure
+    for interp in gt.INTERPS:
+        for rs in (None, "full", "injection"):
+            for to_fine in (False, True):
+                form = _structure(16, interp, rs, to_fine, np.float32)
+                assert (form is None) == (rs == "injection" and to_fine)
+                assert _structure(15, interp, rs, to_fine, np.float32) is None
+    down = _structure(16, "linear", "full", False, np.float32)
+    assert down[:4] == ("down", 1, 7, -1)
+    np.testing.assert_array_equal(down[4], np.float32([1, 3, 3, 1]) / 8)
+    up = _structure(16, "linear", None, True, np.float32)
+    assert up[:4] == ("up", 1, 7, -1) and up[5] == 0
+    np.testing.assert_array_equal(up[4], np.float32([0.25, 0.75]))
+    np.testing.assert_array_equal(up[6], np.float32([0.75, 0.25]))

@@ -18,7 +18,7 @@ One module per layer kind, as ``kernels/`` has one CUDA file per kind:
 ``batch_norm``      batch norm + activation, dropout masks
 ``composed``        stacked chains, points, linearisation and gradients of the composed dense step
 ``recurrent``       GRU/RNN gates, sweeps, chains and points over sequence time
-``grid_ops``        sparse operators along an axis (spatial coarsening's grid transfers)
+``grid_ops``        spatial coarsening's grid transfers: fixed windows, sparse rows along an axis
 ``stacked``         stacked-state chains, residuals and FAS points (the MGRIT engine's kernels)
 ``tapes``           captured MGRIT cycles replayed in one call
 ``stacked_grads``   sigma' and parameter gradients of every owned layer from the solver's stores
