@@ -4,8 +4,9 @@ For every runnable (P, layers per rank, levels) of the grid, a real ``mpiexec -n
 training step (median of ``--repeats``, one thread per rank; the fastest of ``--launches``
 separate runs) against the prediction of the same
 setting on virtual ranks, with the critical-path bound (zero orchestration cost) beside both.
-One cost table serves every point: calibrated once at ``--calibration-layers`` (two depths,
-see :func:`mgnn.studies.predict.calibrate`), as a user calibrates before predicting P = 4096.
+One cost table serves every point: calibrated at ``--calibration-layers`` (two depths, see
+:func:`mgnn.studies.predict.calibrate`), as a user calibrates before predicting P = 4096; the
+median of ``--calibrations`` of them (:meth:`mgnn.studies.costs.CostTable.median`).
 
     python scripts/validate_predictor.py --out results/validate_grid
 
@@ -32,7 +33,8 @@ def _ints(text):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=_ints, default=(1, 2, 3, 4))
-    ap.add_argument("--per-rank", type=_ints, default=(1, 2, 4, 8), help="layers per rank")
+    ap.add_argument("--per-rank", type=_ints, default=(1, 2, 4, 8, 16),
+                    help="layers per rank (16: the only way to 6 levels at P <= 4, cf 2)")
     ap.add_argument("--levels", type=_ints, default=(3, 4, 5, 6))
     ap.add_argument("--cf", type=int, default=2)
     ap.add_argument("--width", type=int, default=64)
@@ -41,6 +43,10 @@ def main(argv=None):
     ap.add_argument("--bwd-iters", type=int, default=1)
     ap.add_argument("--calibration-layers", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--calibrations", type=int, default=3,
+                    help="calibrations (~5 s each), their median table predicts (default 3: "
+                         "one taken in a slow phase of the machine moved every prediction by "
+                         "up to 16 %%)")
     ap.add_argument("--launches", type=int, default=3,
                     help="mpiexec runs per point, the fastest run's median counts (default 3: "
                          "on 2 cores about one run of 4 ranks in 3 is 2-6x slow throughout)")
@@ -52,6 +58,8 @@ def main(argv=None):
     ap.add_argument("--budget", type=float, default=None,
                     help="seconds: start no point after them (default: every point)")
     args = ap.parse_args(argv)
+    if args.calibrations < 1:
+        ap.error(f"--calibrations {args.calibrations}: a positive integer expected")
     if args.launches < 1:
         ap.error(f"--launches {args.launches}: a positive integer expected")
     if args.oversubscribed_hop is not None:
@@ -67,8 +75,11 @@ def main(argv=None):
     if args.costs:
         table = CostTable.load(args.costs)
     else:
-        print(f"calibrating at {args.calibration_layers} layers (and the hierarchy's least)")
-        table = calibrate(cfg, repeats=5, layers=args.calibration_layers)
+        print(f"calibrating at {args.calibration_layers} layers (and the hierarchy's least), "
+              f"{args.calibrations} time(s)")
+        tables = [calibrate(cfg, repeats=5, layers=args.calibration_layers,
+                            log=print if k == 0 else None) for k in range(args.calibrations)]
+        table = tables[0] if len(tables) == 1 else CostTable.median(tables)
         table.save(os.path.join(args.out, "costs.json"))
     if args.oversubscribed_hop is not None:
         table.meta["oversubscribed_hop_s"] = args.oversubscribed_hop * 1e-6

@@ -331,3 +331,23 @@ def test_core_stretch_follows_the_busiest_core():
     assert core_stretch(5, 2, 0.5) == core_stretch(6, 2, 0.5) == pytest.approx(2.0)
     assert core_stretch(17, 16, 0.25) == pytest.approx(1.25)
     assert core_stretch(4, 2, 1.7) == 2.0 and core_stretch(4, 2, -1.0) == 1.0
+
+
+def test_the_median_of_calibrations_is_taken_number_by_number():
+    """CostTable.median: each entry's a and b, each overhead (pairs or plain numbers), alpha
+    and beta apart, so one slow calibration moves nothing; tables of other ops are refused."""
+    def table(s, extra=()):
+        return CostTable({"step|[2]|float32": (1e-6 * s, 2e-6 * s), **dict(extra)},
+                         {"mgrit": [3e-6 * s, 4e-7 * s], "serial": 5e-6 * s},
+                         alpha=1e-6 * s, beta=1e9 / s, meta={"machine": "m"})
+    mid = CostTable.median([table(1.0), table(9.0), table(1.2)])
+    assert mid.entries["step|[2]|float32"] == pytest.approx((1.2e-6, 2.4e-6))
+    assert mid.overhead["mgrit"] == pytest.approx([3.6e-6, 4.8e-7])
+    assert mid.overhead["serial"] == pytest.approx(6e-6)
+    assert (mid.alpha, mid.beta) == pytest.approx((1.2e-6, 1e9 / 1.2))
+    assert mid.meta == {"machine": "m", "calibrations": 3}
+    assert CostTable.median([table(2.0)]).entries == table(2.0).entries
+    with pytest.raises(ValueError, match="price different ops"):
+        CostTable.median([table(1.0), table(1.0, {"other|[2]|float32": (0.0, 0.0)})])
+    with pytest.raises(ValueError, match="CostTables expected"):
+        CostTable.median([])

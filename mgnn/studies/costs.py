@@ -562,6 +562,29 @@ class CostTable:
         return cls({k: tuple(v) for k, v in d["entries"].items()}, d.get("overhead"),
                    d["alpha"], d["beta"], d.get("meta"))
 
+    @classmethod
+    def median(cls, tables):
+        """The median of several calibrations of one configuration, number by number (each
+        entry's a and b, each method's overhead, alpha and beta): one calibration taken while
+        the machine was slow does not move it. The meta of the first, with ``calibrations``
+        (their count). ValueError unless every table prices the same ops and methods."""
+        tables = list(tables)
+        if not tables or not all(isinstance(t, CostTable) for t in tables):
+            raise ValueError(f"median of cost tables: CostTables expected, got {tables!r}")
+        first = tables[0]
+        for t in tables[1:]:
+            if set(t.entries) != set(first.entries) or set(t.overhead) != set(first.overhead):
+                raise ValueError("median of cost tables: they price different ops or methods "
+                                 "(calibrations of one configuration expected)")
+
+        def mid(values):
+            m = np.median(np.asarray(values, dtype=np.float64), axis=0)
+            return float(m) if m.ndim == 0 else [float(v) for v in m]
+        entries = {k: tuple(mid([t.entries[k] for t in tables])) for k in first.entries}
+        overhead = {m: mid([t.overhead[m] for t in tables]) for m in first.overhead}
+        return cls(entries, overhead, mid([t.alpha for t in tables]),
+                   mid([t.beta for t in tables]), dict(first.meta, calibrations=len(tables)))
+
     def save(self, path):
         """Write as JSON, atomically (a temporary file renamed into place)."""
         path = os.fspath(path)
