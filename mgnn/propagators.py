@@ -76,10 +76,14 @@ class ForwardPropagator:
 
     def run_tape(self, stores, rows, hs, norms):
         """Replay a captured cycle (:mod:`mgnn.backend.tape`) with the current parameters."""
+        if self._layered:  # composed kinds (the kinds of their own that replay)
+            return self.kind.run_tape_layers(self.P, stores, rows, hs, norms, self.bk, self.ctx)
         self.kind.run_tape(self.W, self.b, 0, stores, rows, hs, norms, False, self.bk)
 
     def tape_key(self):
         """What a captured cycle's layer indices were checked against (a change recaptures)."""
+        if self._layered:
+            return (self.P["weight"].shape,)
         return self.W.shape, self.b.shape
 
     def advance(self, U, G, chains, origin, stride, level):
@@ -201,11 +205,17 @@ class AdjointPropagator:
         return self.N - origin, -stride, self.dtype.type(stride * self.h)
 
     def run_tape(self, stores, rows, hs, norms):
-        """Replay a captured cycle with the current sigma' (:meth:`reset`)."""
+        """Replay a captured cycle with the current sigma' (:meth:`reset`; composed kinds:
+        their linearisation)."""
+        if self._layered:
+            return self.kind.run_tape_adjoint_layers(self.P, stores, rows, hs, norms,
+                                                     self._linearization(), self.bk)
         D, d0 = self._stacked_derivs()
         self.kind.run_tape(self.W, D, d0, stores, rows, hs, norms, True, self.bk)
 
     def tape_key(self):
+        if self._layered:
+            return (self.P["weight"].shape,)
         D, d0 = self._stacked_derivs()
         return self.W.shape, D.shape, d0
 
@@ -510,6 +520,10 @@ def _set_engine_flags(prop, fused, bk):
     prop.stacked = (fused and _has_stacked(bk)) or prop._layered or prop._stepped
     kernels = prop.stacked and not prop._stepped
     prop.captures = kernels and prop.kind.can_replay(bk)
+    # whether a captured cycle may fold a coarse FAS step into a chain's first step (the
+    # fused kinds' tape bodies compute both; the composed kinds' replay runs rows as the
+    # engine's calls: mgnn.backend.tape.share_first_steps)
+    prop.tape_shares = not prop._layered
     prop.graphs = kernels and bool(getattr(bk, "graphs", False))
 
 

@@ -481,8 +481,19 @@ class ComposedStep:
         return bool(getattr(bk, "composed_stacked", False))
 
     def can_replay(self, bk):
-        """No captured cycles (the relaxation runs through the engine)."""
-        return False
+        """Whether ``bk`` replays captured cycles of composed steps (``composed_run_tape``)."""
+        return callable(getattr(bk, "composed_run_tape", None))
+
+    def run_tape_layers(self, P, stores, rows, hs, norms, bk, ctx):
+        """Replay a captured forward cycle (:mod:`mgnn.backend.tape`) with the parameters
+        ``P`` under ``ctx`` (this batch's dropout masks, batch norm's mode)."""
+        bk.composed_run_tape(stores, rows, hs, self.kernel_args(P, ctx, stores[0], bk), norms)
+
+    def run_tape_adjoint_layers(self, P, stores, rows, hs, norms, lin, bk):
+        """Replay a captured adjoint cycle at the linearisation ``lin``
+        (:class:`ComposedLinearization`)."""
+        bk.composed_run_tape_adjoint(stores, rows, hs, P["weight"], lin.gamma(P), lin.bn,
+                                     lin.arrays[:4], lin.d0, norms)
 
     def kernel_args(self, P, ctx, state, bk):
         """The layer tuple of the composed kernels (module docstring of

@@ -624,7 +624,9 @@ class _Recorder:
         stores = [None] + self.stores[1:]  # item 0: the level-0 store of each replay
         if self.rows or not self.parts:
             self.parts.append(self.rows)
-        parts = [p if isinstance(p, _Action) else T.share_first_steps(T.fuse_tails(p))
+        shares = getattr(self.engine.prop, "tape_shares", True)
+        parts = [p if isinstance(p, _Action) else
+                 (T.share_first_steps(T.fuse_tails(p)) if shares else T.fuse_tails(p))
                  for p in self.parts]
         # a segment's copy rewrites may drop a copy only if no other part reads its store
         reads = [set(p.stores) if isinstance(p, _Action) else T.stores_read(p) for p in parts]

@@ -12,6 +12,7 @@ from .stacked import (_call_driver, _conv_adj_chain, _conv_adj_shared, _conv_fwd
                       _conv_fwd_shared, _conv_scratch, _dense_adj_chain, _dense_adj_shared,
                       _dense_fwd_chain, _dense_fwd_shared)
 from .activations import njit, overload
+from .composed import _chain_adj, _chain_fwd, _points_adj, _points_fwd
 
 
 # ------------------------------------------------------------ captured cycles (tapes)
@@ -143,6 +144,14 @@ def _tape_row(S, row, hs, W, P, d0, act, adjoint, a, b, p, steps_only=False):
             for e in range(o.size):
                 o[e] = (o[e] + u[e]) - pf[e]
         return t
+    _tape_copies(S, row)
+    return 0.0
+
+
+@njit(cache=True)
+def _tape_copies(S, row):
+    """An INJECT, COPY or CORRECT row (mgnn.backend.tape)."""
+    op, U = row[_T.OP], S[row[_T.U]]
     R, first, stride, out = S[row[_T.R]], row[_T.FIRST], row[_T.N], row[_T.OUT]
     if op == _T.INJECT:
         for q in range(row[_T.LEN]):
@@ -154,7 +163,6 @@ def _tape_row(S, row, hs, W, P, d0, act, adjoint, a, b, p, steps_only=False):
         for q in range(row[_T.LEN]):
             _correct_into(U[first + q * stride].reshape(-1), Uc[out + q].reshape(-1),
                           R[out + q].reshape(-1))
-    return 0.0
 
 
 def _tape_driver(S, ops, hs, W, P, d0, act, norms):
@@ -298,3 +306,187 @@ def conv_run_tape(stores, ops, hs, W, P, d0, act, adjoint, norms, parallel=None)
 
 overload(_tape_driver)(_constant_adjoint(_tape_serial))
 overload(_tape_driver_threads)(_constant_adjoint(_tape_threads))
+
+
+# ------------------------------------------------- captured cycles of the composed dense step
+# The rows of mgnn.backend.tape without shared first steps (the recorder leaves them apart for
+# these kinds: ``tape_shares``), through the composed kernels' own chain and point bodies
+# (:mod:`.composed`): the engine's calls, one row at a time, so the same bits.
+@njit(cache=True)
+def _ctape_row_fwd(S, row, hs, chain, slot, out, W, b, gam, bet, rmu, rvar, eps, act, bn, thr,
+                   dscale, k0, k1, tstep, s0, MS, m_lo, steps_only=False):
+    """One forward row; returns the squared norm of a residual point (its tail's for a
+    chain). ``chain`` (1, 2), ``slot``, ``out`` (1,) int64: scratch."""
+    op = row[_T.OP]
+    if op != _T.CHAIN and op != _T.POINT:
+        _tape_copies(S, row)
+        return 0.0
+    U = S[row[_T.U]]
+    has_g = row[_T.G] >= 0
+    G = S[row[_T.G]] if has_g else U
+    l0, ls, h = row[_T.LAYER0], row[_T.LSTEP], hs[row[_T.H]]
+    if op == _T.POINT:
+        slot[0], out[0] = row[_T.FIRST], row[_T.OUT]
+        R = S[row[_T.R]] if row[_T.R] >= 0 else U
+        return _points_fwd(U, G, has_g, R, slot, out, l0, ls, h, W, b, gam, bet, rmu, rvar, eps,
+                           act, bn, thr, dscale, k0, k1, tstep, s0, MS, m_lo, row[_T.MODE])
+    if not steps_only:
+        _tape_carried(S, row, 1)
+        _tape_carried(S, row, 2)
+    chain[0, 0], chain[0, 1] = row[_T.FIRST], row[_T.N]
+    none3, none2 = np.empty((0, 1, 1), U.dtype), np.empty((0, 1), U.dtype)
+    _chain_fwd(0, U, G, has_g, chain, l0, ls, h, W, b, gam, bet, rmu, rvar, eps, act, bn, thr,
+               dscale, k0, k1, tstep, s0, MS, m_lo, none3, none3, none3, none2, none2, none2, 0,
+               np.zeros(0, np.int8))
+    if row[_T.R] < 0:
+        return 0.0
+    slot[0], out[0] = row[_T.FIRST] + row[_T.N], row[_T.OUT]
+    return _points_fwd(U, G, has_g, S[row[_T.R]], slot, out, l0, ls, h, W, b, gam, bet, rmu,
+                       rvar, eps, act, bn, thr, dscale, k0, k1, tstep, s0, MS, m_lo,
+                       row[_T.MODE])
+
+
+@njit(cache=True)
+def _ctape_row_adj(S, row, hs, chain, slot, out, W, gam, bn, XH, DA, MK, IS, d0,
+                   steps_only=False):
+    """One adjoint row (see :func:`_ctape_row_fwd`), the linearisation of layer t in row
+    t - d0."""
+    op = row[_T.OP]
+    if op != _T.CHAIN and op != _T.POINT:
+        _tape_copies(S, row)
+        return 0.0
+    L = S[row[_T.U]]
+    has_g = row[_T.G] >= 0
+    G = S[row[_T.G]] if has_g else L
+    l0, ls, h = row[_T.LAYER0], row[_T.LSTEP], hs[row[_T.H]]
+    if op == _T.POINT:
+        slot[0], out[0] = row[_T.FIRST], row[_T.OUT]
+        R = S[row[_T.R]] if row[_T.R] >= 0 else L
+        return _points_adj(L, G, has_g, R, slot, out, l0, ls, h, W, gam, bn, XH, DA, MK, IS, d0,
+                           row[_T.MODE])
+    if not steps_only:
+        _tape_carried(S, row, 1)
+        _tape_carried(S, row, 2)
+    chain[0, 0], chain[0, 1] = row[_T.FIRST], row[_T.N]
+    _chain_adj(0, L, G, has_g, chain, l0, ls, h, W, gam, bn, XH, DA, MK, IS, d0)
+    if row[_T.R] < 0:
+        return 0.0
+    slot[0], out[0] = row[_T.FIRST] + row[_T.N], row[_T.OUT]
+    return _points_adj(L, G, has_g, S[row[_T.R]], slot, out, l0, ls, h, W, gam, bn, XH, DA, MK,
+                       IS, d0, row[_T.MODE])
+
+
+@njit(cache=True)
+def _ctape_fwd(S, ops, hs, norms, W, b, gam, bet, rmu, rvar, eps, act, bn, thr, dscale, k0, k1,
+               tstep, s0, MS, m_lo):
+    """The rows in order (a zipped pair's rows are independent of what runs between them in
+    the array's order: the order before the zip)."""
+    chain, slot, out = np.empty((1, 2), np.int64), np.empty(1, np.int64), np.empty(1, np.int64)
+    for k in range(ops.shape[0]):
+        t = _ctape_row_fwd(S, ops[k], hs, chain, slot, out, W, b, gam, bet, rmu, rvar, eps, act,
+                           bn, thr, dscale, k0, k1, tstep, s0, MS, m_lo)
+        if ops[k, _T.NORM] >= 0:
+            norms[ops[k, _T.NORM]] += t
+
+
+@njit(cache=True, parallel=True)
+def _ctape_fwd_par(S, ops, hs, norms, W, b, gam, bet, rmu, rvar, eps, act, bn, thr, dscale, k0,
+                   k1, tstep, s0, MS, m_lo):
+    """:func:`_ctape_fwd` with the rows of one engine call (``RUN``) on Numba's threads, as
+    :func:`_tape_threads` runs them (carried copies first; norms added in row order)."""
+    chain, slot, out = np.empty((1, 2), np.int64), np.empty(1, np.int64), np.empty(1, np.int64)
+    k = 0
+    while k < ops.shape[0]:
+        run = ops[k, _T.RUN]
+        if run > 1 and (ops[k, _T.OP] == _T.CHAIN or ops[k, _T.OP] == _T.POINT):
+            t = np.zeros(run)
+            if ops[k, _T.OP] == _T.CHAIN:
+                for part in range(1, 3):
+                    for q in prange(run):
+                        _tape_carried(S, ops[k + q], part)
+            for q in prange(run):
+                c2, s2, o2 = np.empty((1, 2), np.int64), np.empty(1, np.int64), \
+                    np.empty(1, np.int64)
+                t[q] = _ctape_row_fwd(S, ops[k + q], hs, c2, s2, o2, W, b, gam, bet, rmu, rvar,
+                                      eps, act, bn, thr, dscale, k0, k1, tstep, s0, MS, m_lo,
+                                      True)
+            for q in range(run):
+                if ops[k + q, _T.NORM] >= 0:
+                    norms[ops[k + q, _T.NORM]] += t[q]
+            k += run
+        else:
+            t0 = _ctape_row_fwd(S, ops[k], hs, chain, slot, out, W, b, gam, bet, rmu, rvar, eps,
+                                act, bn, thr, dscale, k0, k1, tstep, s0, MS, m_lo)
+            if ops[k, _T.NORM] >= 0:
+                norms[ops[k, _T.NORM]] += t0
+            k += 1
+
+
+@njit(cache=True)
+def _ctape_adj(S, ops, hs, norms, W, gam, bn, XH, DA, MK, IS, d0):
+    """The adjoint rows in order (see :func:`_ctape_fwd`)."""
+    chain, slot, out = np.empty((1, 2), np.int64), np.empty(1, np.int64), np.empty(1, np.int64)
+    for k in range(ops.shape[0]):
+        t = _ctape_row_adj(S, ops[k], hs, chain, slot, out, W, gam, bn, XH, DA, MK, IS, d0)
+        if ops[k, _T.NORM] >= 0:
+            norms[ops[k, _T.NORM]] += t
+
+
+@njit(cache=True, parallel=True)
+def _ctape_adj_par(S, ops, hs, norms, W, gam, bn, XH, DA, MK, IS, d0):
+    """:func:`_ctape_adj` with each engine call's rows on Numba's threads."""
+    chain, slot, out = np.empty((1, 2), np.int64), np.empty(1, np.int64), np.empty(1, np.int64)
+    k = 0
+    while k < ops.shape[0]:
+        run = ops[k, _T.RUN]
+        if run > 1 and (ops[k, _T.OP] == _T.CHAIN or ops[k, _T.OP] == _T.POINT):
+            t = np.zeros(run)
+            if ops[k, _T.OP] == _T.CHAIN:
+                for part in range(1, 3):
+                    for q in prange(run):
+                        _tape_carried(S, ops[k + q], part)
+            for q in prange(run):
+                c2, s2, o2 = np.empty((1, 2), np.int64), np.empty(1, np.int64), \
+                    np.empty(1, np.int64)
+                t[q] = _ctape_row_adj(S, ops[k + q], hs, c2, s2, o2, W, gam, bn, XH, DA, MK, IS,
+                                      d0, True)
+            for q in range(run):
+                if ops[k + q, _T.NORM] >= 0:
+                    norms[ops[k + q, _T.NORM]] += t[q]
+            k += run
+        else:
+            t0 = _ctape_row_adj(S, ops[k], hs, chain, slot, out, W, gam, bn, XH, DA, MK, IS, d0)
+            if ops[k, _T.NORM] >= 0:
+                norms[ops[k, _T.NORM]] += t0
+            k += 1
+
+
+def _composed_tape_check(stores, hs, W):
+    U0 = stores[0]
+    if U0.ndim != 3 or W.dtype != U0.dtype or hs.dtype != U0.dtype:
+        raise TypeError(f"composed tape: W {W.dtype}, hs {hs.dtype} for {U0.ndim}-d stores of "
+                        f"{U0.dtype} ((m, B, w) stores of the layers' dtype expected)")
+
+
+def composed_run_tape(stores, ops, hs, layer, norms, parallel=None):
+    """Numba: one call for a captured forward cycle of composed dense steps
+    (:mod:`mgnn.backend.tape`; ``layer`` the tuple of
+    :meth:`mgnn.blocks.composed.ComposedStep.kernel_args`); squared norms added into
+    ``norms``. ``parallel`` (default: Numba has threads): each call's rows on the threads."""
+    _composed_tape_check(stores, hs, layer[0])
+    if parallel is None:
+        parallel = numba.get_num_threads() > 1
+    _call_driver(_ctape_fwd_par if parallel else _ctape_fwd, parallel, stores, ops, hs, norms,
+                 *layer)
+
+
+def composed_run_tape_adjoint(stores, ops, hs, W, gam, bn, lin_arrays, d0, norms,
+                              parallel=None):
+    """Numba: one call for a captured adjoint cycle of composed dense steps, the linearisation
+    ``lin_arrays`` (XH, DA, MK, IS) of layer t in row t - d0 (see
+    :func:`composed_run_tape`)."""
+    _composed_tape_check(stores, hs, W)
+    if parallel is None:
+        parallel = numba.get_num_threads() > 1
+    _call_driver(_ctape_adj_par if parallel else _ctape_adj, parallel, stores, ops, hs, norms,
+                 W, gam, int(bn), *lin_arrays, int(d0))
