@@ -76,14 +76,14 @@ class ForwardPropagator:
 
     def run_tape(self, stores, rows, hs, norms):
         """Replay a captured cycle (:mod:`mgnn.backend.tape`) with the current parameters."""
-        if self._layered:  # composed kinds (the kinds of their own that replay)
+        if self._layered:  # composed and recurrent kinds: kernels of their own
             return self.kind.run_tape_layers(self.P, stores, rows, hs, norms, self.bk, self.ctx)
         self.kind.run_tape(self.W, self.b, 0, stores, rows, hs, norms, False, self.bk)
 
     def tape_key(self):
         """What a captured cycle's layer indices were checked against (a change recaptures)."""
         if self._layered:
-            return (self.P["weight"].shape,)
+            return _param_shapes(self.P)
         return self.W.shape, self.b.shape
 
     def advance(self, U, G, chains, origin, stride, level):
@@ -209,13 +209,13 @@ class AdjointPropagator:
         their linearisation)."""
         if self._layered:
             return self.kind.run_tape_adjoint_layers(self.P, stores, rows, hs, norms,
-                                                     self._linearization(), self.bk)
+                                                     self._linearization(), self.bk, self.ctx)
         D, d0 = self._stacked_derivs()
         self.kind.run_tape(self.W, D, d0, stores, rows, hs, norms, True, self.bk)
 
     def tape_key(self):
         if self._layered:
-            return (self.P["weight"].shape,)
+            return _param_shapes(self.P)
         D, d0 = self._stacked_derivs()
         return self.W.shape, D.shape, d0
 
@@ -509,6 +509,12 @@ class SpatialAdjointPropagator(_SpatialLevels, AdjointPropagator):
         h = self.dtype.type((stop - start) * self.h)
         _, cache = self._coarse_cache(n, k)
         return self.kind.vjp_state_layer(self.P, n, cache, lam, h, self.bk, self.ctx)
+
+
+def _param_shapes(P):
+    """The names and shapes of a parameter dict (a captured cycle's key for the kinds whose
+    kernels take the parameters by name)."""
+    return tuple(sorted((k, tuple(np.shape(v))) for k, v in P.items()))
 
 
 def _set_engine_flags(prop, fused, bk):

@@ -489,7 +489,7 @@ class ComposedStep:
         ``P`` under ``ctx`` (this batch's dropout masks, batch norm's mode)."""
         bk.composed_run_tape(stores, rows, hs, self.kernel_args(P, ctx, stores[0], bk), norms)
 
-    def run_tape_adjoint_layers(self, P, stores, rows, hs, norms, lin, bk):
+    def run_tape_adjoint_layers(self, P, stores, rows, hs, norms, lin, bk, ctx=None):
         """Replay a captured adjoint cycle at the linearisation ``lin``
         (:class:`ComposedLinearization`)."""
         bk.composed_run_tape_adjoint(stores, rows, hs, P["weight"], lin.gamma(P), lin.bn,

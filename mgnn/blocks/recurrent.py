@@ -210,8 +210,21 @@ class RecurrentStep:
         return xp.stack(ih), xp.stack(hh)
 
     def can_replay(self, bk):
-        """No captured cycles (the stacked relaxation runs through the engine)."""
-        return False
+        """Whether ``bk`` replays captured cycles of recurrent steps (``recurrent_run_tape``)."""
+        return callable(getattr(bk, "recurrent_run_tape", None))
+
+    def run_tape_layers(self, P, stores, rows, hs, norms, bk, ctx):
+        """Replay a captured forward cycle (:mod:`mgnn.backend.tape`): each step size of
+        ``hs`` with its update rule."""
+        cell, gi0, WihT, WhhT, bih, bhh = self._stack_args(P, ctx)
+        bk.recurrent_run_tape(stores, rows, [self._rule(h) for h in hs.tolist()], norms, cell,
+                              gi0, WihT, WhhT, bih, bhh)
+
+    def run_tape_adjoint_layers(self, P, stores, rows, hs, norms, lin, bk, ctx):
+        """Replay a captured adjoint cycle at the linearisation ``lin``."""
+        Wih, Whh = self._back_weights(P, ctx)
+        bk.recurrent_run_tape_adjoint(stores, rows, [self._rule(h) for h in hs.tolist()], norms,
+                                      self._code, lin.U, lin.u_off, lin.D, lin.d0, Wih, Whh)
 
     def can_stack(self, bk, ctx=None):
         """Whether ``bk`` has the stacked recurrent kernels (host arrays); ``ctx`` is not

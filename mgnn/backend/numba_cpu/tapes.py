@@ -13,6 +13,7 @@ from .stacked import (_call_driver, _conv_adj_chain, _conv_adj_shared, _conv_fwd
                       _dense_fwd_chain, _dense_fwd_shared)
 from .activations import njit, overload
 from .composed import _chain_adj, _chain_fwd, _points_adj, _points_fwd
+from .recurrent import _rec_chains, _rec_chains_adj, _rec_points, _rec_points_adj
 
 
 # ------------------------------------------------------------ captured cycles (tapes)
@@ -490,3 +491,115 @@ def composed_run_tape_adjoint(stores, ops, hs, W, gam, bn, lin_arrays, d0, norms
         parallel = numba.get_num_threads() > 1
     _call_driver(_ctape_adj_par if parallel else _ctape_adj, parallel, stores, ops, hs, norms,
                  W, gam, int(bn), *lin_arrays, int(d0))
+
+
+# ------------------------------------------------------- captured cycles of recurrent kinds
+# GRU / RNN over sequence time, through the recurrent kernels' chain and point functions (one
+# row a call: the engine's calls' bits). A row's step size picks its update rule: ``dts`` and
+# ``modes`` hold (dt, mode) of each step size of ``hs`` (RecurrentStep._rule).
+@njit(cache=True)
+def _rtape_row_fwd(S, row, dts, modes, chain, slot, out, cell, gi0, WihT, WhhT, bih, bhh,
+                   steps_only=False):
+    """One forward row; returns the squared norm of a residual point (a chain's tail's)."""
+    op = row[_T.OP]
+    if op != _T.CHAIN and op != _T.POINT:
+        _tape_copies(S, row)
+        return 0.0
+    U = S[row[_T.U]]
+    has_g = row[_T.G] >= 0
+    G = S[row[_T.G]] if has_g else U
+    l0, ls, dt, mode = row[_T.LAYER0], row[_T.LSTEP], dts[row[_T.H]], modes[row[_T.H]]
+    if op == _T.POINT:
+        slot[0], out[0] = row[_T.FIRST], row[_T.OUT]
+        R = S[row[_T.R]] if row[_T.R] >= 0 else U
+        return _rec_points(cell, gi0, U, G, has_g, R, slot, out, l0, ls, WihT, WhhT, bih, bhh,
+                           dt, mode, row[_T.MODE])
+    if not steps_only:
+        _tape_carried(S, row, 1)
+        _tape_carried(S, row, 2)
+    chain[0, 0], chain[0, 1] = row[_T.FIRST], row[_T.N]
+    _rec_chains(cell, gi0, U, G, has_g, chain, l0, ls, WihT, WhhT, bih, bhh, dt, mode,
+                np.empty((0, 1, 1, 1), U.dtype), np.empty((0, 1, 1, 1), U.dtype), 0,
+                np.zeros(0, np.int8))
+    if row[_T.R] < 0:
+        return 0.0
+    slot[0], out[0] = row[_T.FIRST] + row[_T.N], row[_T.OUT]
+    return _rec_points(cell, gi0, U, G, has_g, S[row[_T.R]], slot, out, l0, ls, WihT, WhhT, bih,
+                       bhh, dt, mode, row[_T.MODE])
+
+
+@njit(cache=True)
+def _rtape_row_adj(S, row, dts, modes, chain, slot, out, cell, U, u_off, D, d0, Wih, Whh, tiny,
+                   steps_only=False):
+    """One adjoint row (see :func:`_rtape_row_fwd`), the forward states U (step t at
+    t + u_off) and caches D (step t at t - d0) of the linearisation."""
+    op = row[_T.OP]
+    if op != _T.CHAIN and op != _T.POINT:
+        _tape_copies(S, row)
+        return 0.0
+    L = S[row[_T.U]]
+    has_g = row[_T.G] >= 0
+    G = S[row[_T.G]] if has_g else L
+    l0, ls, dt, mode = row[_T.LAYER0], row[_T.LSTEP], dts[row[_T.H]], modes[row[_T.H]]
+    if op == _T.POINT:
+        slot[0], out[0] = row[_T.FIRST], row[_T.OUT]
+        R = S[row[_T.R]] if row[_T.R] >= 0 else L
+        return _rec_points_adj(cell, L, G, has_g, R, slot, out, l0, ls, U, u_off, D, d0, Wih,
+                               Whh, dt, mode, row[_T.MODE], tiny)
+    if not steps_only:
+        _tape_carried(S, row, 1)
+        _tape_carried(S, row, 2)
+    chain[0, 0], chain[0, 1] = row[_T.FIRST], row[_T.N]
+    _rec_chains_adj(cell, L, G, has_g, chain, l0, ls, U, u_off, D, d0, Wih, Whh, dt, mode, tiny)
+    if row[_T.R] < 0:
+        return 0.0
+    slot[0], out[0] = row[_T.FIRST] + row[_T.N], row[_T.OUT]
+    return _rec_points_adj(cell, L, G, has_g, S[row[_T.R]], slot, out, l0, ls, U, u_off, D, d0,
+                           Wih, Whh, dt, mode, row[_T.MODE], tiny)
+
+
+@njit(cache=True)
+def _rtape_fwd(S, ops, dts, modes, norms, cell, gi0, WihT, WhhT, bih, bhh):
+    """The forward rows in order (see :func:`_ctape_fwd`)."""
+    chain, slot, out = np.empty((1, 2), np.int64), np.empty(1, np.int64), np.empty(1, np.int64)
+    for k in range(ops.shape[0]):
+        t = _rtape_row_fwd(S, ops[k], dts, modes, chain, slot, out, cell, gi0, WihT, WhhT, bih,
+                           bhh)
+        if ops[k, _T.NORM] >= 0:
+            norms[ops[k, _T.NORM]] += t
+
+
+@njit(cache=True)
+def _rtape_adj(S, ops, dts, modes, norms, cell, U, u_off, D, d0, Wih, Whh, tiny):
+    """The adjoint rows in order."""
+    chain, slot, out = np.empty((1, 2), np.int64), np.empty(1, np.int64), np.empty(1, np.int64)
+    for k in range(ops.shape[0]):
+        t = _rtape_row_adj(S, ops[k], dts, modes, chain, slot, out, cell, U, u_off, D, d0, Wih,
+                           Whh, tiny)
+        if ops[k, _T.NORM] >= 0:
+            norms[ops[k, _T.NORM]] += t
+
+
+def _rules(rules):
+    """(dts float64, modes int64) of a tape's step sizes from their (dt, mode) pairs."""
+    return (np.array([float(d) for d, _ in rules], dtype=np.float64),
+            np.array([int(m) for _, m in rules], dtype=np.int64))
+
+
+def recurrent_run_tape(stores, ops, rules, norms, cell, gi0, WihT, WhhT, bih, bhh):
+    """Numba: one call for a captured forward cycle of recurrent steps (:mod:`mgnn.backend.tape`;
+    ``rules`` the (dt, mode) of each step size of the tape, the rest as
+    :func:`mgnn.backend.numba_cpu.recurrent_chains_forward` takes them); squared norms added
+    into ``norms``. The rows run one after the other (the engine's chains do too)."""
+    dts, modes = _rules(rules)
+    _rtape_fwd(stores, ops, dts, modes, norms, int(cell), gi0, WihT, WhhT, bih, bhh)
+
+
+def recurrent_run_tape_adjoint(stores, ops, rules, norms, cell, U, u_off, D, d0, Wih, Whh):
+    """Numba: one call for a captured adjoint cycle of recurrent steps (see
+    :func:`recurrent_run_tape`; U, u_off, D, d0 the linearisation as
+    :func:`mgnn.backend.numba_cpu.recurrent_chains_adjoint` takes it)."""
+    dts, modes = _rules(rules)
+    L0 = stores[0]
+    _rtape_adj(stores, ops, dts, modes, norms, int(cell), U, int(u_off), D, int(d0), Wih, Whh,
+               float(np.finfo(L0.dtype).tiny))
