@@ -334,6 +334,11 @@ def _as_calibrated(base, op):
     return method
 
 
+def _no_replay(self, bk):
+    """No captured cycles (calibrated and predicted as the engine's calls)."""
+    return False
+
+
 def _wrap_kind(kind, costs, dtype, method, record):
     """A copy of step kind ``kind`` (same class, via a subclass) whose kernel methods are timed
     into ``costs`` (record) or charged from it without computing (cost-only)."""
@@ -349,6 +354,8 @@ def _wrap_kind(kind, costs, dtype, method, record):
         for query, op in (("can_keep_derivs", keep), ("can_replay", "run_tape")):
             if hasattr(cls, query):
                 body[query] = _as_calibrated(getattr(cls, query), op)
+    if hasattr(cls, "run_tape_layers"):  # composed and recurrent kinds replay captured cycles
+        body["can_replay"] = _no_replay  # through methods not timed here: priced uncaptured
     new = object.__new__(type(("Recorded" if record else "CostOnly") + cls.__name__, (cls,),
                               body))
     new.__dict__.update(kind.__dict__)
