@@ -309,15 +309,89 @@ overload(_tape_driver)(_constant_adjoint(_tape_serial))
 overload(_tape_driver_threads)(_constant_adjoint(_tape_threads))
 
 
-# ------------------------------------------------- captured cycles of the composed dense step
-# The rows of mgnn.backend.tape without shared first steps (the recorder leaves them apart for
-# these kinds: ``tape_shares``), through the composed kernels' own chain and point bodies
-# (:mod:`.composed`): the engine's calls, one row at a time, so the same bits.
+# ------------------------------------- captured cycles of the kinds with kernels of their own
+# Dense batch norm / dropout (composed) and GRU/RNN (recurrent): the rows of mgnn.backend.tape
+# without shared first steps (the recorder leaves them apart for these kinds: ``tape_shares``),
+# each through the kind's own chain and point kernels (:mod:`.composed`, :mod:`.recurrent`), as
+# the engine's call on that chain or point: the same bits. A replay's ``layer`` tuple says which:
+#   composed forward  (W, b, gam, bet, rmu, rvar, eps, act, bn, thr, dscale, k0, k1, tstep, s0,
+#                      MS, m_lo): the kernels' layer arguments (ComposedStep.kernel_args)
+#   composed adjoint  (W, gam, bn, XH, DA, MK, IS, d0): the linearisation of layer t in row t - d0
+#   recurrent forward (dts, modes, cell, gi0, WihT, WhhT, bih, bhh)
+#   recurrent adjoint (dts, modes, cell, U, u_off, D, d0, Wih, Whh, tiny)
+# (a recurrent row's step size picks its update rule: (dts, modes)[H], RecurrentStep._rule).
+def _layer_kind(layer):
+    """'composed forward' / 'composed adjoint' / 'recurrent forward' / 'recurrent adjoint' of
+    a ``layer`` tuple's Numba type (see above)."""
+    types = list(layer)
+    composed = getattr(types[0], "ndim", 0) == 3  # W (N, w, w); recurrent: dts (1-d)
+    if composed:
+        return "composed forward" if len(types) == 17 else "composed adjoint"
+    return "recurrent forward" if len(types) == 8 else "recurrent adjoint"
+
+
+def _own_chain(U, G, has_g, chain, l0, ls, h, hi, layer):
+    """The engine's chain call of the kind of ``layer`` on the one chain ``chain`` (1, 2)
+    (step size h = hs[hi]; recurrent kinds: the rule of index hi)."""
+
+
+@overload(_own_chain)
+def _own_chain_impl(U, G, has_g, chain, l0, ls, h, hi, layer):
+    kind = _layer_kind(layer)
+    if kind == "composed forward":
+        def impl(U, G, has_g, chain, l0, ls, h, hi, layer):
+            none3, none2 = np.empty((0, 1, 1), U.dtype), np.empty((0, 1), U.dtype)
+            _chain_fwd(0, U, G, has_g, chain, l0, ls, h, *layer, none3, none3, none3, none2,
+                       none2, none2, 0, np.zeros(0, np.int8))
+    elif kind == "composed adjoint":
+        def impl(U, G, has_g, chain, l0, ls, h, hi, layer):
+            _chain_adj(0, U, G, has_g, chain, l0, ls, h, *layer)
+    elif kind == "recurrent forward":
+        def impl(U, G, has_g, chain, l0, ls, h, hi, layer):
+            dts, modes, cell, gi0, WihT, WhhT, bih, bhh = layer
+            none = np.empty((0, 1, 1, 1), U.dtype)
+            _rec_chains(cell, gi0, U, G, has_g, chain, l0, ls, WihT, WhhT, bih, bhh, dts[hi],
+                        modes[hi], none, none, 0, np.zeros(0, np.int8))
+    else:
+        def impl(U, G, has_g, chain, l0, ls, h, hi, layer):
+            dts, modes, cell, Uf, u_off, D, d0, Wih, Whh, tiny = layer
+            _rec_chains_adj(cell, U, G, has_g, chain, l0, ls, Uf, u_off, D, d0, Wih, Whh,
+                            dts[hi], modes[hi], tiny)
+    return impl
+
+
+def _own_points(U, G, has_g, R, slot, out, l0, ls, h, hi, mode, layer):
+    """The engine's points call of the kind of ``layer`` on the slots ``slot`` into R[out]
+    (see :func:`_own_chain`); returns the squared norm (mode 0)."""
+
+
+@overload(_own_points)
+def _own_points_impl(U, G, has_g, R, slot, out, l0, ls, h, hi, mode, layer):
+    kind = _layer_kind(layer)
+    if kind == "composed forward":
+        def impl(U, G, has_g, R, slot, out, l0, ls, h, hi, mode, layer):
+            return _points_fwd(U, G, has_g, R, slot, out, l0, ls, h, *layer, mode)
+    elif kind == "composed adjoint":
+        def impl(U, G, has_g, R, slot, out, l0, ls, h, hi, mode, layer):
+            return _points_adj(U, G, has_g, R, slot, out, l0, ls, h, *layer, mode)
+    elif kind == "recurrent forward":
+        def impl(U, G, has_g, R, slot, out, l0, ls, h, hi, mode, layer):
+            dts, modes, cell, gi0, WihT, WhhT, bih, bhh = layer
+            return _rec_points(cell, gi0, U, G, has_g, R, slot, out, l0, ls, WihT, WhhT, bih,
+                               bhh, dts[hi], modes[hi], mode)
+    else:
+        def impl(U, G, has_g, R, slot, out, l0, ls, h, hi, mode, layer):
+            dts, modes, cell, Uf, u_off, D, d0, Wih, Whh, tiny = layer
+            return _rec_points_adj(cell, U, G, has_g, R, slot, out, l0, ls, Uf, u_off, D, d0,
+                                   Wih, Whh, dts[hi], modes[hi], mode, tiny)
+    return impl
+
+
 @njit(cache=True)
-def _ctape_row_fwd(S, row, hs, chain, slot, out, W, b, gam, bet, rmu, rvar, eps, act, bn, thr,
-                   dscale, k0, k1, tstep, s0, MS, m_lo, steps_only=False):
-    """One forward row; returns the squared norm of a residual point (its tail's for a
-    chain). ``chain`` (1, 2), ``slot``, ``out`` (1,) int64: scratch."""
+def _own_row(S, row, hs, chain, slot, out, layer, steps_only=False):
+    """One row (what it carries first, unless ``steps_only``); returns the squared norm of a
+    residual point (a chain's tail's). ``chain`` (1, 2), ``slot``, ``out`` (1,) int64:
+    scratch."""
     op = row[_T.OP]
     if op != _T.CHAIN and op != _T.POINT:
         _tape_copies(S, row)
@@ -325,75 +399,37 @@ def _ctape_row_fwd(S, row, hs, chain, slot, out, W, b, gam, bet, rmu, rvar, eps,
     U = S[row[_T.U]]
     has_g = row[_T.G] >= 0
     G = S[row[_T.G]] if has_g else U
-    l0, ls, h = row[_T.LAYER0], row[_T.LSTEP], hs[row[_T.H]]
+    l0, ls, hi = row[_T.LAYER0], row[_T.LSTEP], row[_T.H]
     if op == _T.POINT:
         slot[0], out[0] = row[_T.FIRST], row[_T.OUT]
         R = S[row[_T.R]] if row[_T.R] >= 0 else U
-        return _points_fwd(U, G, has_g, R, slot, out, l0, ls, h, W, b, gam, bet, rmu, rvar, eps,
-                           act, bn, thr, dscale, k0, k1, tstep, s0, MS, m_lo, row[_T.MODE])
+        return _own_points(U, G, has_g, R, slot, out, l0, ls, hs[hi], hi, row[_T.MODE], layer)
     if not steps_only:
         _tape_carried(S, row, 1)
         _tape_carried(S, row, 2)
     chain[0, 0], chain[0, 1] = row[_T.FIRST], row[_T.N]
-    none3, none2 = np.empty((0, 1, 1), U.dtype), np.empty((0, 1), U.dtype)
-    _chain_fwd(0, U, G, has_g, chain, l0, ls, h, W, b, gam, bet, rmu, rvar, eps, act, bn, thr,
-               dscale, k0, k1, tstep, s0, MS, m_lo, none3, none3, none3, none2, none2, none2, 0,
-               np.zeros(0, np.int8))
+    _own_chain(U, G, has_g, chain, l0, ls, hs[hi], hi, layer)
     if row[_T.R] < 0:
         return 0.0
     slot[0], out[0] = row[_T.FIRST] + row[_T.N], row[_T.OUT]
-    return _points_fwd(U, G, has_g, S[row[_T.R]], slot, out, l0, ls, h, W, b, gam, bet, rmu,
-                       rvar, eps, act, bn, thr, dscale, k0, k1, tstep, s0, MS, m_lo,
-                       row[_T.MODE])
+    return _own_points(U, G, has_g, S[row[_T.R]], slot, out, l0, ls, hs[hi], hi, row[_T.MODE],
+                       layer)
 
 
 @njit(cache=True)
-def _ctape_row_adj(S, row, hs, chain, slot, out, W, gam, bn, XH, DA, MK, IS, d0,
-                   steps_only=False):
-    """One adjoint row (see :func:`_ctape_row_fwd`), the linearisation of layer t in row
-    t - d0."""
-    op = row[_T.OP]
-    if op != _T.CHAIN and op != _T.POINT:
-        _tape_copies(S, row)
-        return 0.0
-    L = S[row[_T.U]]
-    has_g = row[_T.G] >= 0
-    G = S[row[_T.G]] if has_g else L
-    l0, ls, h = row[_T.LAYER0], row[_T.LSTEP], hs[row[_T.H]]
-    if op == _T.POINT:
-        slot[0], out[0] = row[_T.FIRST], row[_T.OUT]
-        R = S[row[_T.R]] if row[_T.R] >= 0 else L
-        return _points_adj(L, G, has_g, R, slot, out, l0, ls, h, W, gam, bn, XH, DA, MK, IS, d0,
-                           row[_T.MODE])
-    if not steps_only:
-        _tape_carried(S, row, 1)
-        _tape_carried(S, row, 2)
-    chain[0, 0], chain[0, 1] = row[_T.FIRST], row[_T.N]
-    _chain_adj(0, L, G, has_g, chain, l0, ls, h, W, gam, bn, XH, DA, MK, IS, d0)
-    if row[_T.R] < 0:
-        return 0.0
-    slot[0], out[0] = row[_T.FIRST] + row[_T.N], row[_T.OUT]
-    return _points_adj(L, G, has_g, S[row[_T.R]], slot, out, l0, ls, h, W, gam, bn, XH, DA, MK,
-                       IS, d0, row[_T.MODE])
-
-
-@njit(cache=True)
-def _ctape_fwd(S, ops, hs, norms, W, b, gam, bet, rmu, rvar, eps, act, bn, thr, dscale, k0, k1,
-               tstep, s0, MS, m_lo):
+def _own_tape(S, ops, hs, norms, layer):
     """The rows in order (a zipped pair's rows are independent of what runs between them in
-    the array's order: the order before the zip)."""
+    the array's order: the order before the zip), norms added as they come."""
     chain, slot, out = np.empty((1, 2), np.int64), np.empty(1, np.int64), np.empty(1, np.int64)
     for k in range(ops.shape[0]):
-        t = _ctape_row_fwd(S, ops[k], hs, chain, slot, out, W, b, gam, bet, rmu, rvar, eps, act,
-                           bn, thr, dscale, k0, k1, tstep, s0, MS, m_lo)
+        t = _own_row(S, ops[k], hs, chain, slot, out, layer)
         if ops[k, _T.NORM] >= 0:
             norms[ops[k, _T.NORM]] += t
 
 
 @njit(cache=True, parallel=True)
-def _ctape_fwd_par(S, ops, hs, norms, W, b, gam, bet, rmu, rvar, eps, act, bn, thr, dscale, k0,
-                   k1, tstep, s0, MS, m_lo):
-    """:func:`_ctape_fwd` with the rows of one engine call (``RUN``) on Numba's threads, as
+def _own_tape_par(S, ops, hs, norms, layer):
+    """:func:`_own_tape` with the rows of one engine call (``RUN``) on Numba's threads, as
     :func:`_tape_threads` runs them (carried copies first; norms added in row order)."""
     chain, slot, out = np.empty((1, 2), np.int64), np.empty(1, np.int64), np.empty(1, np.int64)
     k = 0
@@ -408,58 +444,25 @@ def _ctape_fwd_par(S, ops, hs, norms, W, b, gam, bet, rmu, rvar, eps, act, bn, t
             for q in prange(run):
                 c2, s2, o2 = np.empty((1, 2), np.int64), np.empty(1, np.int64), \
                     np.empty(1, np.int64)
-                t[q] = _ctape_row_fwd(S, ops[k + q], hs, c2, s2, o2, W, b, gam, bet, rmu, rvar,
-                                      eps, act, bn, thr, dscale, k0, k1, tstep, s0, MS, m_lo,
-                                      True)
+                t[q] = _own_row(S, ops[k + q], hs, c2, s2, o2, layer, True)
             for q in range(run):
                 if ops[k + q, _T.NORM] >= 0:
                     norms[ops[k + q, _T.NORM]] += t[q]
             k += run
         else:
-            t0 = _ctape_row_fwd(S, ops[k], hs, chain, slot, out, W, b, gam, bet, rmu, rvar, eps,
-                                act, bn, thr, dscale, k0, k1, tstep, s0, MS, m_lo)
+            t0 = _own_row(S, ops[k], hs, chain, slot, out, layer)
             if ops[k, _T.NORM] >= 0:
                 norms[ops[k, _T.NORM]] += t0
             k += 1
 
 
-@njit(cache=True)
-def _ctape_adj(S, ops, hs, norms, W, gam, bn, XH, DA, MK, IS, d0):
-    """The adjoint rows in order (see :func:`_ctape_fwd`)."""
-    chain, slot, out = np.empty((1, 2), np.int64), np.empty(1, np.int64), np.empty(1, np.int64)
-    for k in range(ops.shape[0]):
-        t = _ctape_row_adj(S, ops[k], hs, chain, slot, out, W, gam, bn, XH, DA, MK, IS, d0)
-        if ops[k, _T.NORM] >= 0:
-            norms[ops[k, _T.NORM]] += t
-
-
-@njit(cache=True, parallel=True)
-def _ctape_adj_par(S, ops, hs, norms, W, gam, bn, XH, DA, MK, IS, d0):
-    """:func:`_ctape_adj` with each engine call's rows on Numba's threads."""
-    chain, slot, out = np.empty((1, 2), np.int64), np.empty(1, np.int64), np.empty(1, np.int64)
-    k = 0
-    while k < ops.shape[0]:
-        run = ops[k, _T.RUN]
-        if run > 1 and (ops[k, _T.OP] == _T.CHAIN or ops[k, _T.OP] == _T.POINT):
-            t = np.zeros(run)
-            if ops[k, _T.OP] == _T.CHAIN:
-                for part in range(1, 3):
-                    for q in prange(run):
-                        _tape_carried(S, ops[k + q], part)
-            for q in prange(run):
-                c2, s2, o2 = np.empty((1, 2), np.int64), np.empty(1, np.int64), \
-                    np.empty(1, np.int64)
-                t[q] = _ctape_row_adj(S, ops[k + q], hs, c2, s2, o2, W, gam, bn, XH, DA, MK, IS,
-                                      d0, True)
-            for q in range(run):
-                if ops[k + q, _T.NORM] >= 0:
-                    norms[ops[k + q, _T.NORM]] += t[q]
-            k += run
-        else:
-            t0 = _ctape_row_adj(S, ops[k], hs, chain, slot, out, W, gam, bn, XH, DA, MK, IS, d0)
-            if ops[k, _T.NORM] >= 0:
-                norms[ops[k, _T.NORM]] += t0
-            k += 1
+def _own_run_tape(stores, ops, hs, norms, layer, parallel):
+    """Replay ``ops`` on ``stores`` (:func:`stores_list`) with ``layer`` (see above);
+    ``parallel`` (None: Numba has threads): each call's rows on the threads."""
+    if parallel is None:
+        parallel = numba.get_num_threads() > 1
+    _call_driver(_own_tape_par if parallel else _own_tape, parallel, stores, ops, hs, norms,
+                 tuple(layer))
 
 
 def _composed_tape_check(stores, hs, W):
@@ -475,10 +478,7 @@ def composed_run_tape(stores, ops, hs, layer, norms, parallel=None):
     :meth:`mgnn.blocks.composed.ComposedStep.kernel_args`); squared norms added into
     ``norms``. ``parallel`` (default: Numba has threads): each call's rows on the threads."""
     _composed_tape_check(stores, hs, layer[0])
-    if parallel is None:
-        parallel = numba.get_num_threads() > 1
-    _call_driver(_ctape_fwd_par if parallel else _ctape_fwd, parallel, stores, ops, hs, norms,
-                 *layer)
+    _own_run_tape(stores, ops, hs, norms, layer, parallel)
 
 
 def composed_run_tape_adjoint(stores, ops, hs, W, gam, bn, lin_arrays, d0, norms,
@@ -487,97 +487,7 @@ def composed_run_tape_adjoint(stores, ops, hs, W, gam, bn, lin_arrays, d0, norms
     ``lin_arrays`` (XH, DA, MK, IS) of layer t in row t - d0 (see
     :func:`composed_run_tape`)."""
     _composed_tape_check(stores, hs, W)
-    if parallel is None:
-        parallel = numba.get_num_threads() > 1
-    _call_driver(_ctape_adj_par if parallel else _ctape_adj, parallel, stores, ops, hs, norms,
-                 W, gam, int(bn), *lin_arrays, int(d0))
-
-
-# ------------------------------------------------------- captured cycles of recurrent kinds
-# GRU / RNN over sequence time, through the recurrent kernels' chain and point functions (one
-# row a call: the engine's calls' bits). A row's step size picks its update rule: ``dts`` and
-# ``modes`` hold (dt, mode) of each step size of ``hs`` (RecurrentStep._rule).
-@njit(cache=True)
-def _rtape_row_fwd(S, row, dts, modes, chain, slot, out, cell, gi0, WihT, WhhT, bih, bhh,
-                   steps_only=False):
-    """One forward row; returns the squared norm of a residual point (a chain's tail's)."""
-    op = row[_T.OP]
-    if op != _T.CHAIN and op != _T.POINT:
-        _tape_copies(S, row)
-        return 0.0
-    U = S[row[_T.U]]
-    has_g = row[_T.G] >= 0
-    G = S[row[_T.G]] if has_g else U
-    l0, ls, dt, mode = row[_T.LAYER0], row[_T.LSTEP], dts[row[_T.H]], modes[row[_T.H]]
-    if op == _T.POINT:
-        slot[0], out[0] = row[_T.FIRST], row[_T.OUT]
-        R = S[row[_T.R]] if row[_T.R] >= 0 else U
-        return _rec_points(cell, gi0, U, G, has_g, R, slot, out, l0, ls, WihT, WhhT, bih, bhh,
-                           dt, mode, row[_T.MODE])
-    if not steps_only:
-        _tape_carried(S, row, 1)
-        _tape_carried(S, row, 2)
-    chain[0, 0], chain[0, 1] = row[_T.FIRST], row[_T.N]
-    _rec_chains(cell, gi0, U, G, has_g, chain, l0, ls, WihT, WhhT, bih, bhh, dt, mode,
-                np.empty((0, 1, 1, 1), U.dtype), np.empty((0, 1, 1, 1), U.dtype), 0,
-                np.zeros(0, np.int8))
-    if row[_T.R] < 0:
-        return 0.0
-    slot[0], out[0] = row[_T.FIRST] + row[_T.N], row[_T.OUT]
-    return _rec_points(cell, gi0, U, G, has_g, S[row[_T.R]], slot, out, l0, ls, WihT, WhhT, bih,
-                       bhh, dt, mode, row[_T.MODE])
-
-
-@njit(cache=True)
-def _rtape_row_adj(S, row, dts, modes, chain, slot, out, cell, U, u_off, D, d0, Wih, Whh, tiny,
-                   steps_only=False):
-    """One adjoint row (see :func:`_rtape_row_fwd`), the forward states U (step t at
-    t + u_off) and caches D (step t at t - d0) of the linearisation."""
-    op = row[_T.OP]
-    if op != _T.CHAIN and op != _T.POINT:
-        _tape_copies(S, row)
-        return 0.0
-    L = S[row[_T.U]]
-    has_g = row[_T.G] >= 0
-    G = S[row[_T.G]] if has_g else L
-    l0, ls, dt, mode = row[_T.LAYER0], row[_T.LSTEP], dts[row[_T.H]], modes[row[_T.H]]
-    if op == _T.POINT:
-        slot[0], out[0] = row[_T.FIRST], row[_T.OUT]
-        R = S[row[_T.R]] if row[_T.R] >= 0 else L
-        return _rec_points_adj(cell, L, G, has_g, R, slot, out, l0, ls, U, u_off, D, d0, Wih,
-                               Whh, dt, mode, row[_T.MODE], tiny)
-    if not steps_only:
-        _tape_carried(S, row, 1)
-        _tape_carried(S, row, 2)
-    chain[0, 0], chain[0, 1] = row[_T.FIRST], row[_T.N]
-    _rec_chains_adj(cell, L, G, has_g, chain, l0, ls, U, u_off, D, d0, Wih, Whh, dt, mode, tiny)
-    if row[_T.R] < 0:
-        return 0.0
-    slot[0], out[0] = row[_T.FIRST] + row[_T.N], row[_T.OUT]
-    return _rec_points_adj(cell, L, G, has_g, S[row[_T.R]], slot, out, l0, ls, U, u_off, D, d0,
-                           Wih, Whh, dt, mode, row[_T.MODE], tiny)
-
-
-@njit(cache=True)
-def _rtape_fwd(S, ops, dts, modes, norms, cell, gi0, WihT, WhhT, bih, bhh):
-    """The forward rows in order (see :func:`_ctape_fwd`)."""
-    chain, slot, out = np.empty((1, 2), np.int64), np.empty(1, np.int64), np.empty(1, np.int64)
-    for k in range(ops.shape[0]):
-        t = _rtape_row_fwd(S, ops[k], dts, modes, chain, slot, out, cell, gi0, WihT, WhhT, bih,
-                           bhh)
-        if ops[k, _T.NORM] >= 0:
-            norms[ops[k, _T.NORM]] += t
-
-
-@njit(cache=True)
-def _rtape_adj(S, ops, dts, modes, norms, cell, U, u_off, D, d0, Wih, Whh, tiny):
-    """The adjoint rows in order."""
-    chain, slot, out = np.empty((1, 2), np.int64), np.empty(1, np.int64), np.empty(1, np.int64)
-    for k in range(ops.shape[0]):
-        t = _rtape_row_adj(S, ops[k], dts, modes, chain, slot, out, cell, U, u_off, D, d0, Wih,
-                           Whh, tiny)
-        if ops[k, _T.NORM] >= 0:
-            norms[ops[k, _T.NORM]] += t
+    _own_run_tape(stores, ops, hs, norms, (W, gam, int(bn), *lin_arrays, int(d0)), parallel)
 
 
 def _rules(rules):
@@ -586,20 +496,23 @@ def _rules(rules):
             np.array([int(m) for _, m in rules], dtype=np.int64))
 
 
-def recurrent_run_tape(stores, ops, rules, norms, cell, gi0, WihT, WhhT, bih, bhh):
+def recurrent_run_tape(stores, ops, rules, norms, cell, gi0, WihT, WhhT, bih, bhh,
+                       parallel=None):
     """Numba: one call for a captured forward cycle of recurrent steps (:mod:`mgnn.backend.tape`;
     ``rules`` the (dt, mode) of each step size of the tape, the rest as
     :func:`mgnn.backend.numba_cpu.recurrent_chains_forward` takes them); squared norms added
-    into ``norms``. The rows run one after the other (the engine's chains do too)."""
+    into ``norms`` (``parallel``: see :func:`composed_run_tape`)."""
     dts, modes = _rules(rules)
-    _rtape_fwd(stores, ops, dts, modes, norms, int(cell), gi0, WihT, WhhT, bih, bhh)
+    _own_run_tape(stores, ops, dts, norms, (dts, modes, int(cell), gi0, WihT, WhhT, bih, bhh),
+                  parallel)
 
 
-def recurrent_run_tape_adjoint(stores, ops, rules, norms, cell, U, u_off, D, d0, Wih, Whh):
+def recurrent_run_tape_adjoint(stores, ops, rules, norms, cell, U, u_off, D, d0, Wih, Whh,
+                               parallel=None):
     """Numba: one call for a captured adjoint cycle of recurrent steps (see
     :func:`recurrent_run_tape`; U, u_off, D, d0 the linearisation as
     :func:`mgnn.backend.numba_cpu.recurrent_chains_adjoint` takes it)."""
     dts, modes = _rules(rules)
-    L0 = stores[0]
-    _rtape_adj(stores, ops, dts, modes, norms, int(cell), U, int(u_off), D, int(d0), Wih, Whh,
-               float(np.finfo(L0.dtype).tiny))
+    tiny = float(np.finfo(stores[0].dtype).tiny)
+    _own_run_tape(stores, ops, dts, norms, (dts, modes, int(cell), U, int(u_off), D, int(d0),
+                                            Wih, Whh, tiny), parallel)
