@@ -610,7 +610,7 @@ def case_captured():
     the tape's segments): three training steps (parameters updated between them) equal the
     uncaptured engine's bit for bit, for dense, conv and GRU networks, both coarsest modes,
     fixed, converged and F-cycles (4 levels: some ranks own no coarsest point); the replayed
-    tapes hold message actions (GRU: a kind without tapes, the same results); and equal a
+    tapes hold message actions (GRU too: its own tape drivers); and equal a
     run that evaluates the linearisation of every layer again instead of keeping the final
     sweep's."""
     import mgnn
@@ -670,7 +670,7 @@ def case_captured():
                                 f"residuals {r1} vs {r2})")
                 solvers = runs[0][1]._solvers.values()
                 tapes = [t for sv in solvers for t in sv._tapes.values() if t and t.replays]
-                if not any(sv.prop.captures for sv in solvers):  # a kind without tapes (GRU)
+                if not any(sv.prop.captures for sv in solvers):  # a kind without tapes
                     if tapes:
                         raise AssertionError(f"rank {RANK}: {what}: tapes replayed")
                     checked += 1

@@ -219,7 +219,8 @@ def test_captured_cycles_on_layer_ranks_equal_uncaptured(ranks, data_ranks):
     out = _json(mpirun(ranks, "-m", "tests.mpi.mpi_cases", "captured", str(data_ranks),
                        timeout=600))
     assert out["ranks"] == ranks and out["checked"] == 18
-    assert out["segmented"] == 12  # dense and conv, 3 settings x 2 coarsest modes, replayed
+    # dense, conv and GRU, 3 settings x 2 coarsest modes, each replayed with message segments
+    assert out["segmented"] == 18
 
 
 def test_bench_gpu_launches_on_two_layer_ranks():
