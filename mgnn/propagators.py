@@ -214,8 +214,10 @@ class AdjointPropagator:
         self.kind.run_tape(self.W, D, d0, stores, rows, hs, norms, True, self.bk)
 
     def tape_key(self):
-        if self._layered:
-            return _param_shapes(self.P)
+        if self._layered:  # (a replay reads the linearisation unchecked: its range in the key)
+            lin = self._linearization()
+            rows = lin.D.shape[0] if hasattr(lin, "D") else lin.arrays[1].shape[0]
+            return _param_shapes(self.P) + ((lin.d0, lin.u_off, rows, len(lin.U)),)
         D, d0 = self._stacked_derivs()
         return self.W.shape, D.shape, d0
 

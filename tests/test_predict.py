@@ -331,6 +331,9 @@ def test_core_stretch_follows_the_busiest_core():
     assert core_stretch(5, 2, 0.5) == core_stretch(6, 2, 0.5) == pytest.approx(2.0)
     assert core_stretch(17, 16, 0.25) == pytest.approx(1.25)
     assert core_stretch(4, 2, 1.7) == 2.0 and core_stretch(4, 2, -1.0) == 1.0
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match=f"cores {bad!r}"):
+            core_stretch(4, bad, 0.5)
 
 
 def test_the_median_of_calibrations_is_taken_number_by_number():
@@ -349,5 +352,9 @@ def test_the_median_of_calibrations_is_taken_number_by_number():
     assert CostTable.median([table(2.0)]).entries == table(2.0).entries
     with pytest.raises(ValueError, match="price different ops"):
         CostTable.median([table(1.0), table(1.0, {"other|[2]|float32": (0.0, 0.0)})])
-    with pytest.raises(ValueError, match="CostTables expected"):
+    with pytest.raises(TypeError, match="CostTables expected"):
         CostTable.median([])
+    plain = table(1.0)
+    plain.overhead["mgrit"] = 3e-6  # a per-call number where the others hold pairs
+    with pytest.raises(ValueError, match="price different ops"):
+        CostTable.median([table(1.0), plain])

@@ -577,10 +577,12 @@ class CostTable:
         (their count). ValueError unless every table prices the same ops and methods."""
         tables = list(tables)
         if not tables or not all(isinstance(t, CostTable) for t in tables):
-            raise ValueError(f"median of cost tables: CostTables expected, got {tables!r}")
+            raise TypeError(f"median of cost tables: CostTables expected, got {tables!r}")
         first = tables[0]
         for t in tables[1:]:
-            if set(t.entries) != set(first.entries) or set(t.overhead) != set(first.overhead):
+            if set(t.entries) != set(first.entries) or set(t.overhead) != set(first.overhead) \
+                    or any(np.shape(t.overhead[m]) != np.shape(first.overhead[m])
+                           for m in first.overhead):
                 raise ValueError("median of cost tables: they price different ops or methods "
                                  "(calibrations of one configuration expected)")
 

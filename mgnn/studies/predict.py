@@ -427,6 +427,9 @@ def core_stretch(P, cores, u):
     on cores, so the busiest core runs ceil(P / cores) of them, and a step whose ranks hand
     states to each other moves at that core's pace, not at the mean share P / cores (3 ranks
     on 2 cores measure as slow as 4 on this machine)."""
+    if cores is not None and (isinstance(cores, bool) or not isinstance(cores, int) or
+                              cores < 1):
+        raise ValueError(f"cores {cores!r}: a positive integer (or None: a core each) expected")
     if cores is None or P <= cores:
         return 1.0
     return 1.0 + (math.ceil(P / cores) - 1.0) * min(max(float(u), 0.0), 1.0)

@@ -48,3 +48,24 @@ def test_composed_tapes_keep_chains_and_coarse_steps_apart():
     _, dense_tapes, _ = training_steps(mgnn.dense_resnet(5, 6, 3, 16, seed=2), x, y, True, 2)
     dense = [t.rows for t in dense_tapes[0].values() if t.rows is not None]
     assert any((r[:, T.SHARE_R] >= 0).any() for r in dense)
+
+
+def test_tapes_with_shared_first_steps_are_refused():
+    """These drivers do not run shared first steps: a tape holding one (or rows of another
+    layout) is refused with a ValueError, not replayed wrongly."""
+    from mgnn.backend import tape as T
+    from mgnn.backend.numba_cpu import composed_run_tape, recurrent_run_tape, stores_list
+    rows = np.full((1, T.COLS), -1, dtype=np.int64)
+    rows[0, T.OP], rows[0, T.SHARE_R] = T.CHAIN, 1
+    W = np.zeros((16, 6, 6))
+    with pytest.raises(ValueError, match="without shared first steps"):
+        composed_run_tape(stores_list([np.zeros((3, 6, 6))]), rows, np.ones(1), (W,),
+                          np.zeros(1))
+    with pytest.raises(ValueError, match="without shared first steps"):
+        composed_run_tape(stores_list([np.zeros((3, 6, 6))]), rows[:, :5], np.ones(1), (W,),
+                          np.zeros(1))
+    with pytest.raises(TypeError, match="recurrent tape"):  # float32 weights, float64 stores
+        recurrent_run_tape(stores_list([np.zeros((3, 2, 1, 4))]), rows, [(1.0, 0)],
+                           np.zeros(1), 0, np.zeros((2, 3, 12), np.float32),
+                           np.zeros((1, 4, 12)), np.zeros((1, 4, 12)), np.zeros((1, 12)),
+                           np.zeros((1, 12)))

@@ -1,5 +1,7 @@
-"""Sparse 1D operators along an axis: the grid transfers of spatial coarsening on the CPU."""
+"""The grid transfers of spatial coarsening on the CPU: fixed windows over whole arrays (even
+axes), sparse 1D operators along an axis (any)."""
 
+import numba
 import numpy as np
 from numba import prange
 
@@ -215,20 +217,43 @@ def _structured_planes(xf, of, pre, n0, n1, m0, m1, down, lo0, hi0, a00, u0, a10
     ``block`` planes at a time through a scratch block (the intermediate never leaves the
     cache): towards the coarse grid axis 0 then axis 1, towards the fine grid axis 1 first."""
     tmp = np.empty(block * (m0 * n1 if down else n0 * m1), dtype=xf.dtype)
-    for b0 in range(0, pre, block):
-        nb = min(block, pre - b0)
-        xb = xf[b0 * n0 * n1:(b0 + nb) * n0 * n1]
-        ob = of[b0 * m0 * m1:(b0 + nb) * m0 * m1]
-        if down:
-            _structured(xb, tmp, nb, n0, m0, n1, True, lo0, hi0, a00, u0, a10, v0, rows0,
-                        indptr0, cols0, weights0, nb)
-            _structured(tmp, ob, nb * m0, n1, m1, 1, True, lo1, hi1, a01, u1, a11, v1, rows1,
-                        indptr1, cols1, weights1, nb * m0)
-        else:
-            _structured(xb, tmp, nb * n0, n1, m1, 1, False, lo1, hi1, a01, u1, a11, v1, rows1,
-                        indptr1, cols1, weights1, nb * n0)
-            _structured(tmp, ob, nb, n0, m0, m1, False, lo0, hi0, a00, u0, a10, v0, rows0,
-                        indptr0, cols0, weights0, nb)
+    for b in range((pre + block - 1) // block):
+        _plane_block(xf, of, tmp, b * block, pre, n0, n1, m0, m1, down, lo0, hi0, a00, u0, a10,
+                     v0, rows0, indptr0, cols0, weights0, lo1, hi1, a01, u1, a11, v1, rows1,
+                     indptr1, cols1, weights1, block)
+
+
+@njit(cache=True, parallel=True)
+def _structured_planes_par(xf, of, pre, n0, n1, m0, m1, down, lo0, hi0, a00, u0, a10, v0,
+                           rows0, indptr0, cols0, weights0, lo1, hi1, a01, u1, a11, v1, rows1,
+                           indptr1, cols1, weights1, block):
+    """:func:`_structured_planes` with the blocks on Numba's threads (a scratch block each;
+    every output is computed as in the serial pass: the same bits)."""
+    for b in prange((pre + block - 1) // block):
+        tmp = np.empty(block * (m0 * n1 if down else n0 * m1), dtype=xf.dtype)
+        _plane_block(xf, of, tmp, b * block, pre, n0, n1, m0, m1, down, lo0, hi0, a00, u0, a10,
+                     v0, rows0, indptr0, cols0, weights0, lo1, hi1, a01, u1, a11, v1, rows1,
+                     indptr1, cols1, weights1, block)
+
+
+@njit(cache=True)
+def _plane_block(xf, of, tmp, b0, pre, n0, n1, m0, m1, down, lo0, hi0, a00, u0, a10, v0, rows0,
+                 indptr0, cols0, weights0, lo1, hi1, a01, u1, a11, v1, rows1, indptr1, cols1,
+                 weights1, block):
+    """The planes b0 .. b0 + block - 1 (fewer at the end) of :func:`_structured_planes`."""
+    nb = min(block, pre - b0)
+    xb = xf[b0 * n0 * n1:(b0 + nb) * n0 * n1]
+    ob = of[b0 * m0 * m1:(b0 + nb) * m0 * m1]
+    if down:
+        _structured(xb, tmp, nb, n0, m0, n1, True, lo0, hi0, a00, u0, a10, v0, rows0,
+                    indptr0, cols0, weights0, nb)
+        _structured(tmp, ob, nb * m0, n1, m1, 1, True, lo1, hi1, a01, u1, a11, v1, rows1,
+                    indptr1, cols1, weights1, nb * m0)
+    else:
+        _structured(xb, tmp, nb * n0, n1, m1, 1, False, lo1, hi1, a01, u1, a11, v1, rows1,
+                    indptr1, cols1, weights1, nb * n0)
+        _structured(tmp, ob, nb, n0, m0, m1, False, lo0, hi0, a00, u0, a10, v0, rows0,
+                    indptr0, cols0, weights0, nb)
 
 
 def _form_args(form, m):
@@ -243,16 +268,19 @@ def _form_args(form, m):
                                           dtype=np.int64)
 
 
-def apply_structured_planes(x, m0, m1, forms, csrs):
+def apply_structured_planes(x, m0, m1, forms, csrs, parallel=None):
     """Both axes of ``x`` (pre, n0, n1), C-contiguous, by their window ``forms`` (two of
     :func:`apply_structured_axis`'s, one direction) and sparse rows ``csrs`` ((indptr, cols,
     weights) each), in one pass over memory: a new (pre, m0, m1) array, equal to the two
-    :func:`apply_structured_axis` passes bit for bit."""
+    :func:`apply_structured_axis` passes bit for bit. ``parallel`` (default: Numba has threads
+    and there are several blocks of planes): the blocks on the threads, the same bits."""
     pre, n0, n1 = x.shape
     out = np.empty((pre, m0, m1), dtype=x.dtype)
     down = forms[0][0] == "down"
     block = max(1, _BLOCK_ELEMENTS // (n0 * n1))
-    _structured_planes(x.reshape(-1), out.reshape(-1), pre, n0, n1, m0, m1, down,
-                       *_form_args(forms[0], m0), *csrs[0], *_form_args(forms[1], m1),
-                       *csrs[1], block)
+    if parallel is None:
+        parallel = numba.get_num_threads() > 1 and pre > block
+    (_structured_planes_par if parallel else _structured_planes)(
+        x.reshape(-1), out.reshape(-1), pre, n0, n1, m0, m1, down, *_form_args(forms[0], m0),
+        *csrs[0], *_form_args(forms[1], m1), *csrs[1], block)
     return out

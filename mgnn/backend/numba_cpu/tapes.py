@@ -1,5 +1,6 @@
 """Captured MGRIT cycles: one call runs a whole recorded cycle (:mod:`mgnn.backend.tape`) through
-the chain bodies of :mod:`.stacked`."""
+the chain bodies of :mod:`.stacked` (dense, conv), or through the kernels of :mod:`.composed`
+and :mod:`.recurrent` (the kinds with kernels of their own)."""
 
 import weakref
 
@@ -437,7 +438,12 @@ def _own_tape_par(S, ops, hs, norms, layer):
         run = ops[k, _T.RUN]
         if run > 1 and (ops[k, _T.OP] == _T.CHAIN or ops[k, _T.OP] == _T.POINT):
             t = np.zeros(run)
+            carried = False
             if ops[k, _T.OP] == _T.CHAIN:
+                for q in range(run):
+                    if ops[k + q, _T.CORR_SLOT] >= 0 or ops[k + q, _T.INJ_SLOT] >= 0:
+                        carried = True
+            if carried:  # what the rows carry: corrections, then injections
                 for part in range(1, 3):
                     for q in prange(run):
                         _tape_carried(S, ops[k + q], part)
@@ -459,6 +465,9 @@ def _own_tape_par(S, ops, hs, norms, layer):
 def _own_run_tape(stores, ops, hs, norms, layer, parallel):
     """Replay ``ops`` on ``stores`` (:func:`stores_list`) with ``layer`` (see above);
     ``parallel`` (None: Numba has threads): each call's rows on the threads."""
+    if ops.ndim != 2 or ops.shape[1] != _T.COLS or (ops[:, _T.SHARE_R] >= 0).any():
+        raise ValueError("a tape of these kinds has rows of mgnn.backend.tape's layout without "
+                         "shared first steps (SHARE_R -1: their recorder's tape_shares False)")
     if parallel is None:
         parallel = numba.get_num_threads() > 1
     _call_driver(_own_tape_par if parallel else _own_tape, parallel, stores, ops, hs, norms,
@@ -490,6 +499,14 @@ def composed_run_tape_adjoint(stores, ops, hs, W, gam, bn, lin_arrays, d0, norms
     _own_run_tape(stores, ops, hs, norms, (W, gam, int(bn), *lin_arrays, int(d0)), parallel)
 
 
+def _recurrent_tape_check(stores, *arrays):
+    U0 = stores[0]
+    if U0.ndim != 4 or any(a.dtype != U0.dtype for a in arrays):
+        raise TypeError(f"recurrent tape: {[str(a.dtype) for a in arrays]} for {U0.ndim}-d "
+                        f"stores of {U0.dtype} ((m, B, layers, H) stores of the weights' dtype "
+                        "expected)")
+
+
 def _rules(rules):
     """(dts float64, modes int64) of a tape's step sizes from their (dt, mode) pairs."""
     return (np.array([float(d) for d, _ in rules], dtype=np.float64),
@@ -502,6 +519,7 @@ def recurrent_run_tape(stores, ops, rules, norms, cell, gi0, WihT, WhhT, bih, bh
     ``rules`` the (dt, mode) of each step size of the tape, the rest as
     :func:`mgnn.backend.numba_cpu.recurrent_chains_forward` takes them); squared norms added
     into ``norms`` (``parallel``: see :func:`composed_run_tape`)."""
+    _recurrent_tape_check(stores, gi0, WihT, WhhT, bih, bhh)
     dts, modes = _rules(rules)
     _own_run_tape(stores, ops, dts, norms, (dts, modes, int(cell), gi0, WihT, WhhT, bih, bhh),
                   parallel)
@@ -512,6 +530,7 @@ def recurrent_run_tape_adjoint(stores, ops, rules, norms, cell, U, u_off, D, d0,
     """Numba: one call for a captured adjoint cycle of recurrent steps (see
     :func:`recurrent_run_tape`; U, u_off, D, d0 the linearisation as
     :func:`mgnn.backend.numba_cpu.recurrent_chains_adjoint` takes it)."""
+    _recurrent_tape_check(stores, U, Wih, Whh)
     dts, modes = _rules(rules)
     tiny = float(np.finfo(stores[0].dtype).tiny)
     _own_run_tape(stores, ops, dts, norms, (dts, modes, int(cell), U, int(u_off), D, int(d0),
